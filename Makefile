@@ -1,0 +1,30 @@
+# Two commands on a fresh machine with Python 3.10+ and make: `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU build of torch: a plain `torch` would pull a multi-GB CUDA build. GPU users install their own.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: demo test lint bench-train clean
+
+$(BIN)/.installed: pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -e ".[test]"
+	touch $@
+
+demo: $(BIN)/.installed
+	$(BIN)/python -m mlscale.demo
+
+test: $(BIN)/.installed
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q
+
+lint: $(BIN)/.installed
+	$(BIN)/ruff check .
+
+bench-train: $(BIN)/.installed
+	$(BIN)/mlscale bench train --out bench/results/train
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,5 @@
+import sys
+
+from mlscale.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Benchmark runners (also behind ``mlscale bench``): ours vs the anchors, side by side."""

@@ -1,0 +1,138 @@
+"""``mlscale bench train``: our trainer vs a plain hand-written DDP loop, side by side.
+
+For each world size both run the same model, data, batch and number of steps, alternately, for several
+repeats; we report samples/s of each (median, min, max) and the median of the per-repeat ratios
+ours/plain. Writes ``train.json`` and ``train.png`` into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from mlscale.bench.machine import machine_info
+from mlscale.config import TrainConfig
+from mlscale.train.launcher import train
+
+WARMUP = 5
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default="bench/results/train", help="folder for train.json and train.png")
+    p.add_argument("--workers", default="1,2", help="world sizes to compare, comma-separated (default 1,2)")
+    p.add_argument("--repeats", type=int, default=3, help="alternating repeats of each pair (default 3)")
+    p.add_argument("--steps", type=int, default=60, help="steps per run, the first 5 are warm-up (default 60)")
+    p.add_argument("--batch-size", type=int, default=128, help="per worker (default 128)")
+    p.add_argument("--width", type=int, default=1024, help="hidden width of the synthetic MLP (default 1024)")
+    p.add_argument("--depth", type=int, default=2, help="hidden layers of the synthetic MLP (default 2)")
+
+
+def _task(args: argparse.Namespace) -> dict[str, Any]:
+    return {"name": "synthetic", "lr": 0.01,
+            "options": {"samples": 16384, "features": 256, "classes": 10, "width": args.width, "depth": args.depth}}
+
+
+def run_ours(task: dict[str, Any], workers: int, steps: int, batch: int, scratch: Path) -> float:
+    config = TrainConfig(task=task["name"], task_options=task["options"], workers=workers, steps=steps,
+                         batch_size=batch, lr=task["lr"], lr_schedule="constant", log_every=max(10, steps // 5),
+                         run_dir=str(scratch / f"ours-{time.time_ns()}"), warmup_steps_for_throughput=WARMUP)
+    return train(config)["samples_per_s"]
+
+
+def run_plain(task: dict[str, Any], workers: int, steps: int, batch: int, scratch: Path) -> float:
+    out = scratch / f"plain-{time.time_ns()}.json"
+    args = [str(out), json.dumps(task), str(steps), str(batch), str(WARMUP)]
+    if workers == 1:
+        from mlscale.bench.plain_ddp import main
+
+        main(args)
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={workers}",
+                   "-m", "mlscale.bench.plain_ddp", *args]
+        subprocess.run(command, check=True, capture_output=True, env=_launch_env())
+    return json.loads(out.read_text())["samples_per_s"]
+
+
+def _launch_env() -> dict[str, str]:
+    import os
+
+    return {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+
+
+def _summary(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    task = _task(args)
+    results: dict[str, Any] = {
+        "benchmark": "train: mlscale trainer (ddp) vs plain hand-written torch DDP loop",
+        "how": f"synthetic MLP width {args.width} depth {args.depth}, batch {args.batch_size}/worker, "
+               f"{args.steps} steps, throughput from step {WARMUP} on (rank 0 wall clock), runs alternated",
+        "command": "mlscale bench train " + " ".join(sys.argv[3:]) if sys.argv[1:3] == ["bench", "train"] else "",
+        "machine": machine_info(), "task": task, "world_sizes": {},
+    }
+    with tempfile.TemporaryDirectory(prefix="mlscale-bench-") as tmp:
+        scratch = Path(tmp)
+        for workers in [int(w) for w in args.workers.split(",")]:
+            ours, plain = [], []
+            for repeat in range(args.repeats):
+                pair = [("ours", run_ours), ("plain", run_plain)]
+                for name, runner in pair if repeat % 2 == 0 else pair[::-1]:
+                    value = runner(task, workers, args.steps, args.batch_size, scratch)
+                    (ours if name == "ours" else plain).append(value)
+                    print(f"workers {workers}  repeat {repeat + 1}/{args.repeats}  {name:<5} {value:,.0f} samples/s",
+                          file=sys.stderr, flush=True)
+            ratios = [o / p for o, p in zip(ours, plain)]
+            results["world_sizes"][str(workers)] = {
+                "ours_samples_per_s": ours, "plain_samples_per_s": plain,
+                "ours": _summary(ours), "plain": _summary(plain),
+                "ratio_ours_over_plain": _summary(ratios),
+            }
+    return results
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = list(results["world_sizes"])
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for offset, name, color in ((-0.2, "ours", "tab:blue"), (0.2, "plain", "tab:gray")):
+        stats = [results["world_sizes"][s][name] for s in sizes]
+        medians = [s["median"] for s in stats]
+        errors = [[m - s["min"] for m, s in zip(medians, stats)], [s["max"] - m for m, s in zip(medians, stats)]]
+        ax.bar([i + offset for i in range(len(sizes))], medians, 0.4, yerr=errors, capsize=4, color=color,
+               label="mlscale" if name == "ours" else "plain DDP loop")
+    for i, size in enumerate(sizes):
+        ratio = results["world_sizes"][size]["ratio_ours_over_plain"]["median"]
+        ax.annotate(f"{ratio:.3f}x", (i, 0), xytext=(0, 4), textcoords="offset points", ha="center")
+    ax.set_xticks(range(len(sizes)), [f"{s} worker(s)" for s in sizes])
+    ax.set_ylabel("samples/s (median, min-max)")
+    ax.set_title("Training throughput: mlscale vs plain DDP")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = run_benchmark(args)
+    (out / "train.json").write_text(json.dumps(results, indent=2) + "\n")
+    plot(results, out / "train.png")
+    for size, row in results["world_sizes"].items():
+        print(f"workers {size}: mlscale {row['ours']['median']:,.0f} samples/s, plain {row['plain']['median']:,.0f}"
+              f" samples/s, ratio {row['ratio_ours_over_plain']['median']:.3f}")
+    print(f"wrote {out / 'train.json'} and {out / 'train.png'}")
+    return results

@@ -1,0 +1,145 @@
+"""The ``mlscale`` command: parses, calls the Python API, prints. No logic of its own.
+
+Exit codes: 0 success, 2 bad usage or configuration (one line naming the bad value), 1 anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from mlscale.errors import MlscaleError, UsageError
+
+EXAMPLES = """examples:
+  mlscale train --task digits --workers 2 --epochs 5
+  mlscale train --config run.toml --workers 4 --run-dir runs/big --checkpoint-every 100
+  mlscale train --run-dir runs/big --resume
+  mlscale train --task mypkg.tasks:make_task --task-opt width=512
+  torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+      -m mlscale train --config run.toml --run-dir /shared/runs/big
+"""
+
+
+def _task_option(text: str) -> tuple[str, Any]:
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    for convert in (int, float):
+        try:
+            return key, convert(raw)
+        except ValueError:
+            pass
+    return key, {"true": True, "false": False}.get(raw.lower(), raw)
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train a model on one or more workers",
+                       description="Train a task with a parallel strategy. Values from --config are "
+                       "overridden by the flags given here.",
+                       epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", metavar="FILE", help="TOML or JSON file with any of the keys below")
+    p.add_argument("--task", help="built-in task (digits, digits-cnn, synthetic) or package.module:factory")
+    p.add_argument("--task-opt", action="append", type=_task_option, metavar="KEY=VALUE",
+                   help="option passed to the task factory (repeatable), e.g. hidden=256")
+    p.add_argument("--workers", type=int, help="worker processes on this machine (default 1)")
+    p.add_argument("--strategy", help="parallel strategy (default ddp)")
+    length = p.add_mutually_exclusive_group()
+    length.add_argument("--steps", type=int, help="optimizer steps to run")
+    length.add_argument("--epochs", type=float, help="passes over the training data (default 10)")
+    p.add_argument("--batch-size", type=int, help="samples per worker per step (default 32)")
+    p.add_argument("--lr", type=float, help="peak learning rate (default 0.05)")
+    p.add_argument("--optimizer", help="sgd (default) or adam")
+    p.add_argument("--seed", type=int, help="seed for weights, data order and every RNG (default 0)")
+    p.add_argument("--dtype", help="float32 (default) or float64 for weights and data")
+    p.add_argument("--precision", help="fp32 (default), bf16 or fp16 autocast for compute")
+    p.add_argument("--device", help="auto (default: cuda if available), cpu or cuda")
+    p.add_argument("--run-dir", metavar="DIR", help="where config, metrics, checkpoints and report go")
+    p.add_argument("--resume", action="store_true", default=None, help="continue from the latest checkpoint")
+    p.add_argument("--checkpoint-every", type=int, metavar="K", help="checkpoint every K steps (and at the end)")
+    p.add_argument("--keep-checkpoints", type=int, metavar="K", help="keep the newest K checkpoints (default 3)")
+    p.add_argument("--max-restarts", type=int, metavar="R", help="restart the worker group up to R times")
+    p.add_argument("--fault", action="append", metavar="SPEC", dest="faults",
+                   help="inject a failure: kill:rank=R:step=K or slow:rank=R:delay_ms=D (repeatable)")
+    p.add_argument("--log-every", type=int, metavar="K", help="metrics line every K steps (default 10)")
+    p.set_defaults(handler=_train)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from mlscale.config import build_config
+    from mlscale.train.launcher import train
+
+    overrides = {key: getattr(args, key) for key in (
+        "task", "workers", "strategy", "steps", "epochs", "batch_size", "lr", "optimizer", "seed", "dtype",
+        "precision", "device", "run_dir", "resume", "checkpoint_every", "keep_checkpoints", "max_restarts",
+        "faults", "log_every")}
+    if args.task_opt:
+        overrides["task_options"] = dict(args.task_opt)
+    report = train(build_config(args.config, **overrides))
+    if report:
+        print_train_summary(report)
+    return 0
+
+
+def print_train_summary(report: dict[str, Any]) -> None:
+    eval_text = ", ".join(f"{k} {v:.4f}" for k, v in report["eval"].items())
+    rows = [
+        ("task", f"{report['task']} ({report['strategy']}, {report['world_size']} worker(s))"),
+        ("steps", f"{report['steps']} ({report['samples_seen']:,} samples)"),
+        ("final loss", f"{report['final_loss']:.4f}"),
+        ("eval", eval_text),
+        ("throughput", f"{report['samples_per_s']:,.0f} samples/s"),
+        ("wall time", f"{report['wall_s']:.1f} s"),
+        ("run dir", report["run_dir"]),
+    ]
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmarks against the anchors (JSON + PNG)")
+    bench_sub = p.add_subparsers(dest="what", required=True)
+    from mlscale.bench.train import add_arguments
+
+    t = bench_sub.add_parser("train", help="our trainer vs a plain hand-written DDP loop",
+                             description="Runs our trainer and a plain torch DDP loop alternately on the "
+                             "same model, data, world size and steps; reports samples/s and their ratio.")
+    add_arguments(t)
+    t.set_defaults(handler=_bench_train)
+
+
+def _bench_train(args: argparse.Namespace) -> int:
+    from mlscale.bench.train import run_from_args
+
+    run_from_args(args)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mlscale", description="Scale a PyTorch model from one worker to "
+                                     "many, then serve it.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_train(sub)
+    _add_bench(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.handler(args)
+    except UsageError as exc:
+        print(f"mlscale: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except MlscaleError as exc:
+        print(f"mlscale: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("mlscale: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""The typed run configuration: one model for file values and CLI overrides, validated once.
+
+A configuration is built from (in increasing priority) the defaults below, a TOML/JSON file and CLI
+overrides. Any bad value raises ``UsageError`` with one line that names the key and the value, so the
+CLI can exit 2 without a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from mlscale.errors import UsageError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+
+class TrainConfig(BaseModel):
+    """Everything that determines a training run; written to ``RUN_DIR/config.json``."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    task: str = Field("digits", description="built-in task name or 'package.module:factory'")
+    task_options: dict[str, Any] = Field(default_factory=dict)
+    workers: int = Field(1, ge=1, description="worker processes on this machine")
+    strategy: str = "ddp"
+    steps: int | None = Field(None, ge=1)
+    epochs: float | None = Field(None, gt=0)
+    batch_size: int = Field(32, ge=1, description="samples per worker per step")
+    lr: float = Field(0.05, gt=0)
+    optimizer: Literal["sgd", "adam"] = "sgd"
+    momentum: float = Field(0.9, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+    lr_schedule: Literal["constant", "cosine"] = "cosine"
+    warmup_steps: int = Field(0, ge=0)
+    seed: int = 0
+    dtype: Literal["float32", "float64"] = "float32"
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    run_dir: str | None = Field(None, description="default: runs/<time>-<task>")
+    resume: bool = False
+    checkpoint_every: int = Field(0, ge=0, description="0: only at the end")
+    keep_checkpoints: int = Field(3, ge=1)
+    max_restarts: int = Field(0, ge=0)
+    faults: list[str] = Field(default_factory=list)
+    log_every: int = Field(10, ge=1)
+    collective_timeout_s: float = Field(300.0, gt=0)
+    warmup_steps_for_throughput: int = Field(5, ge=0)
+
+    @field_validator("faults")
+    @classmethod
+    def _faults_parse(cls, specs: list[str]) -> list[str]:
+        from mlscale.train.faults import parse_fault
+
+        for spec in specs:
+            parse_fault(spec)
+        return specs
+
+    @model_validator(mode="after")
+    def _one_length(self) -> TrainConfig:
+        if self.steps is not None and self.epochs is not None:
+            raise ValueError("give either steps or epochs, not both")
+        return self
+
+
+_CLI_NAMES = {"task_options": "task-opt", "faults": "fault"}
+
+
+def _describe(error: ValidationError) -> str:
+    """One line: the first bad key, its value and why, in the user's words (CLI spelling)."""
+    first = error.errors()[0]
+    loc = ".".join(str(part) for part in first["loc"])
+    key = _CLI_NAMES.get(loc, loc.replace("_", "-")) if loc else ""
+    if first["type"] == "extra_forbidden":
+        return f"unknown configuration key '{loc}'"
+    message = first["msg"].removeprefix("Value error, ")
+    if not key:
+        return f"bad configuration: {message}"
+    return f"bad value {key}={first.get('input')!r}: {message}"
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a TOML or JSON file into a dict, turning every read problem into a ``UsageError``."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise UsageError(f"cannot read config file {str(path)!r}: {exc.strerror or exc}") from None
+    try:
+        data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+    except (ValueError, tomllib.TOMLDecodeError) as exc:
+        raise UsageError(f"config file {str(path)!r} is not valid {path.suffix[1:] or 'TOML'}: {exc}") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"config file {str(path)!r} must hold a table of keys")
+    return data
+
+
+def build_config(file: str | Path | None = None, **overrides: Any) -> TrainConfig:
+    """Defaults < file < overrides (``None`` overrides are ignored); validated, else ``UsageError``."""
+    values: dict[str, Any] = read_config_file(file) if file else {}
+    values.update({key: value for key, value in overrides.items() if value is not None})
+    try:
+        return TrainConfig(**values)
+    except ValidationError as exc:
+        raise UsageError(_describe(exc)) from None

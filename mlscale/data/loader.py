@@ -1,0 +1,59 @@
+"""A batch iterator over an in-memory data set that knows its exact position.
+
+The position ``(epoch, offset)`` is the global number of samples consumed in the current epoch;
+restoring it resumes the same stream of batches, also with another number of workers. Incomplete
+batches at the end of an epoch are dropped so that every step has the same global batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from mlscale.data.sampler import shard_indices
+from mlscale.tasks.base import TensorData
+
+
+@dataclass
+class Position:
+    epoch: int = 0
+    offset: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def steps_per_epoch(size: int, world: int, batch_size: int) -> int:
+    return (size // world) // batch_size
+
+
+class ShardLoader:
+    """Yields ``(inputs, targets)`` batches of this rank's shard, epoch after epoch, forever."""
+
+    def __init__(self, data: TensorData, *, rank: int, world: int, batch_size: int, seed: int,
+                 position: Position | None = None) -> None:
+        if steps_per_epoch(len(data), world, batch_size) == 0:
+            raise ValueError(
+                f"batch size {batch_size} x {world} workers is larger than the data set ({len(data)} samples)")
+        self.data, self.rank, self.world = data, rank, world
+        self.batch_size, self.seed = batch_size, seed
+        self.position = position or Position()
+        self._load_epoch()
+
+    def _load_epoch(self) -> None:
+        self._indices = shard_indices(len(self.data), self.rank, self.world, seed=self.seed,
+                                      epoch=self.position.epoch, start=self.position.offset)
+        self._cursor = 0
+
+    def __iter__(self) -> ShardLoader:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._cursor + self.batch_size > len(self._indices):
+            self.position = Position(self.position.epoch + 1, 0)
+            self._load_epoch()
+        idx = self._indices[self._cursor: self._cursor + self.batch_size]
+        self._cursor += self.batch_size
+        self.position = Position(self.position.epoch, self.position.offset + self.batch_size * self.world)
+        return self.data.inputs[idx], self.data.targets[idx]

@@ -1,0 +1,28 @@
+"""Error types that the CLI maps to exit codes.
+
+One type per kind of failure, so every command reports user mistakes the same way:
+``UsageError`` (exit 2) is a bad value the user can fix; ``MlscaleError`` (exit 1) is anything else
+that we can still explain in one paragraph instead of a traceback.
+"""
+
+from __future__ import annotations
+
+
+class MlscaleError(Exception):
+    """A failure explained to the user in its message; the CLI prints it and exits 1."""
+
+    exit_code = 1
+
+
+class UsageError(MlscaleError):
+    """Bad usage or configuration: one line naming the bad value; the CLI exits 2."""
+
+    exit_code = 2
+
+
+class WorkerFailed(MlscaleError):
+    """A training worker failed; the message names the rank and its error."""
+
+    def __init__(self, message: str, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank

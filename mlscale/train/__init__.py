@@ -1,0 +1,1 @@
+"""Training: launcher, trainer loop, strategies, checkpoints, run directory."""

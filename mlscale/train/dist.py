@@ -1,0 +1,86 @@
+"""The worker's place in the job (rank, world, device) and the process group around it.
+
+Read from the environment that torchrun and torch's elastic agent set (RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR/PORT), so the same worker runs under our launcher and under an external
+``torchrun`` across hosts. A world of one creates no process group at all.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    attempt: int = 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def under_launcher() -> bool:
+    """True inside a worker started by torchrun or the elastic agent."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def pick_device(preference: str, local_rank: int) -> torch.device:
+    if preference == "cuda" or (preference == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
+    return torch.device("cpu")
+
+
+def init_distributed(device_preference: str = "auto", timeout_s: float = 300.0) -> DistEnv:
+    """Join the process group described by the environment (nccl on CUDA, gloo on CPU)."""
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    device = pick_device(device_preference, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s),
+                                device_id=device if device.type == "cuda" else None)
+    return DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=device, attempt=attempt)
+
+
+def shutdown_distributed() -> None:
+    if dist.is_initialized():
+        # A barrier first: destroying the group while a peer still talks to it aborts on gloo.
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def all_gather_floats(env: DistEnv, values: list[float]) -> list[list[float]]:
+    """Every rank's list of floats (same length on all ranks), gathered on all ranks."""
+    local = torch.tensor(values, dtype=torch.float64)
+    if not env.distributed:
+        return [local.tolist()]
+    if env.device.type == "cuda":
+        local = local.to(env.device)
+    gathered = [torch.empty_like(local) for _ in range(env.world_size)]
+    dist.all_gather(gathered, local)
+    return [t.cpu().tolist() for t in gathered]
+
+
+def all_gather_objects(env: DistEnv, obj: object) -> list[object]:
+    if not env.distributed:
+        return [obj]
+    out: list[object] = [None] * env.world_size
+    dist.all_gather_object(out, obj)
+    return out

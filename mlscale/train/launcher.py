@@ -1,0 +1,137 @@
+"""Starting a training job: in this process, under an external torchrun, or as N local workers
+through torch's elastic launcher (the API behind torchrun).
+
+``train(config)`` is the Python API; ``mlscale train`` is one of its callers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+import time
+import uuid
+from typing import Any
+
+from mlscale.config import TrainConfig
+from mlscale.errors import UsageError, WorkerFailed
+from mlscale.tasks import make_task
+from mlscale.train.checkpoint import Checkpointer
+from mlscale.train.dist import under_launcher
+from mlscale.train.rundir import RunDir
+from mlscale.train.strategies import strategy_class
+from mlscale.train.trainer import JOB_START_ENV
+from mlscale.train.worker import run_worker, save_traceback, traceback_path
+
+# Errors that a rank raises because *another* rank died: never the root cause.
+_KNOCK_ON = re.compile(r"Connection closed by peer|Connection reset|Broken pipe|DistNetworkError|"
+                       r"DistBackendError|ProcessGroupGloo|Gloo|NCCL|timed out|Timeout|SIGTERM", re.I)
+
+
+def train(config: TrainConfig) -> dict[str, Any]:
+    """Run a training job to the end; returns ``report.json`` (DESIGN.md §3) as a dict."""
+    strategy_class(config.strategy)
+    make_task(config.task, config.task_options)  # fail fast, with exit 2, on a bad task
+    if config.run_dir is None:
+        config = config.model_copy(update={"run_dir": default_run_dir(config.task)})
+    run_dir = RunDir(config.run_dir)
+    os.environ.setdefault(JOB_START_ENV, str(time.time()))
+    if under_launcher():
+        return _run_here(config, run_dir, rank=int(os.environ.get("RANK", 0)))
+    _prepare(config, run_dir)
+    if config.workers == 1:
+        return _run_here(config, run_dir, rank=0)
+    _launch_local(config, run_dir)
+    return run_dir.read_report()
+
+
+def default_run_dir(task: str) -> str:
+    safe_task = re.sub(r"[^A-Za-z0-9_.-]+", "-", task)
+    return f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{safe_task}"
+
+
+def _prepare(config: TrainConfig, run_dir: RunDir) -> None:
+    has_checkpoint = Checkpointer(run_dir.checkpoints).latest() is not None
+    if config.resume and not has_checkpoint:
+        raise UsageError(f"bad value run-dir={config.run_dir!r}: nothing to resume (no checkpoint in it)")
+    if not config.resume and (has_checkpoint or run_dir.report_path.exists()):
+        raise UsageError(f"bad value run-dir={config.run_dir!r}: it already holds a run; "
+                         "add --resume to continue it or choose another --run-dir")
+    run_dir.write_config(config.model_dump())
+
+
+def _run_here(config: TrainConfig, run_dir: RunDir, rank: int) -> dict[str, Any]:
+    if rank == 0 and under_launcher():
+        run_dir.write_config(config.model_dump())
+    try:
+        return run_worker(config, run_dir)
+    except (KeyboardInterrupt, UsageError):
+        raise
+    except Exception as exc:
+        path = save_traceback(run_dir, rank, exc)
+        raise WorkerFailed(f"worker rank {rank} failed: {type(exc).__name__}: {exc}\n"
+                           f"  traceback: {path}", rank=rank) from None
+
+
+def _launch_local(config: TrainConfig, run_dir: RunDir) -> None:
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    _quiet_elastic_logs()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    launch = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=config.workers,
+        run_id=f"mlscale-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0", rdzv_configs={"timeout": 120},
+        max_restarts=config.max_restarts, monitor_interval=0.1, start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir.logs / "elastic")),
+    )
+    try:
+        elastic_launch(launch, sys.executable)("-m", "mlscale.train", str(run_dir.path))
+    except ChildFailedError as exc:
+        rank, message = _root_cause(exc)
+        _write_failed_report(config, run_dir, rank, message)
+        where = traceback_path(run_dir, rank)
+        hint = f"\n  traceback: {where}" if where.exists() else ""
+        raise WorkerFailed(f"worker rank {rank} failed: {message}{hint}", rank=rank) from None
+
+
+def _quiet_elastic_logs() -> None:
+    """The agent logs every failure of every rank; we report the root cause ourselves, once."""
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic") or name.startswith("torch.distributed.launcher"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+def _failure_message(failure: Any) -> str:
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", str(message))
+    return str(message)
+
+
+def _root_cause(exc: Any) -> tuple[int, str]:
+    """The rank whose failure started it: a rank killed by a signal, else the earliest error that is
+    not a knock-on communication error, else the earliest of all."""
+    failures = sorted(exc.failures.items(), key=lambda item: (item[1].timestamp, item[0]))
+    for rank, failure in failures:
+        if failure.exitcode < 0:
+            return rank, _failure_message(failure)
+    for rank, failure in failures:
+        if not _KNOCK_ON.search(_failure_message(failure)):
+            return rank, _failure_message(failure)
+    rank, failure = failures[0]
+    return rank, _failure_message(failure)
+
+
+def _write_failed_report(config: TrainConfig, run_dir: RunDir, rank: int, message: str) -> None:
+    run_dir.write_report({
+        "status": "failed", "task": config.task, "strategy": config.strategy, "world_size": config.workers,
+        "error": {"rank": rank, "message": message},
+        "restarts": config.max_restarts,
+        "wall_s": time.time() - float(os.environ.get(JOB_START_ENV, time.time())),
+        "model_uri": None,
+    })

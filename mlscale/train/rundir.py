@@ -1,0 +1,50 @@
+"""The run directory (DESIGN.md §3): the one writer of config.json, metrics.jsonl, final weights and
+report.json, so every command and test reads the same layout."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import save_file
+from torch import nn
+
+from mlscale.io import atomic_write, atomic_write_json
+
+
+class RunDir:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    config_path = property(lambda self: self.path / "config.json")
+    metrics_path = property(lambda self: self.path / "metrics.jsonl")
+    report_path = property(lambda self: self.path / "report.json")
+    checkpoints = property(lambda self: self.path / "checkpoints")
+    logs = property(lambda self: self.path / "logs")
+    final_model_path = property(lambda self: self.path / "final" / "model.safetensors")
+
+    def write_config(self, config: dict[str, Any]) -> None:
+        atomic_write_json(self.config_path, config)
+
+    def read_config(self) -> dict[str, Any]:
+        return json.loads(self.config_path.read_text())
+
+    def append_metrics(self, record: dict[str, Any]) -> None:
+        with self.metrics_path.open("a") as handle:
+            handle.write(json.dumps(record) + "\n")
+
+    def read_metrics(self) -> list[dict[str, Any]]:
+        if not self.metrics_path.exists():
+            return []
+        return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
+
+    def write_final_model(self, model: nn.Module, metadata: dict[str, str] | None = None) -> None:
+        tensors = {name: t.detach().cpu().contiguous() for name, t in model.state_dict().items()}
+        atomic_write(self.final_model_path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+
+    def write_report(self, report: dict[str, Any]) -> None:
+        atomic_write_json(self.report_path, report)
+
+    def read_report(self) -> dict[str, Any]:
+        return json.loads(self.report_path.read_text())

@@ -1,0 +1,65 @@
+"""Measured time: the one timing helper used by the trainer, strategies and benchmarks."""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections.abc import Iterable
+
+
+def now() -> float:
+    return time.perf_counter()
+
+
+def median(values: Iterable[float]) -> float:
+    values = list(values)
+    return statistics.median(values) if values else 0.0
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    """Total time covered by possibly overlapping ``(start, end)`` intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end <= reach:
+            continue
+        total += end - max(start, reach)
+        reach = end
+    return total
+
+
+class CommTimer:
+    """Records when each communication call of a step started and finished.
+
+    Completion callbacks may run on a backend thread, hence the lock. ``busy_ms`` is the wall time
+    during which at least one collective was in flight; ``exposed_ms`` the part of it after compute
+    ended (what overlapping could not hide).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._intervals: list[tuple[float, float]] = []
+        self._last_launch = 0.0
+
+    def launched(self) -> float:
+        start = now()
+        with self._lock:
+            self._last_launch = start
+        return start
+
+    def finished(self, start: float) -> None:
+        end = now()
+        with self._lock:
+            self._intervals.append((start, end))
+
+    def take(self, backward_end: float) -> tuple[float, float]:
+        """(busy_ms, exposed_ms) since the last call, then reset.
+
+        Exposed time is communication in flight between the launch of the step's last collective
+        (gradient computation has ended) and ``backward_end``, when the trainer got control back.
+        """
+        with self._lock:
+            intervals, self._intervals = self._intervals, []
+            last_launch = self._last_launch
+        exposed = [(max(start, last_launch), min(end, backward_end)) for start, end in intervals]
+        return union_length(intervals) * 1e3, union_length([(s, e) for s, e in exposed if e > s]) * 1e3

@@ -1,0 +1,56 @@
+"""The worker entry point: one process of a training job.
+
+Started by our launcher as ``python -m mlscale.train RUN_DIR`` (reading ``RUN_DIR/config.json``),
+or in-process for a single worker and under an external torchrun. A failing worker writes its error
+for the elastic agent (which picks the root cause by time) and its traceback to ``RUN_DIR/logs``,
+and prints nothing, so the user sees one error instead of one traceback per rank.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+from mlscale.config import TrainConfig
+from mlscale.train.dist import init_distributed, shutdown_distributed
+from mlscale.train.rundir import RunDir
+from mlscale.train.trainer import Trainer
+
+
+def run_worker(config: TrainConfig, run_dir: RunDir) -> dict[str, Any]:
+    """Join the group, train, leave. Returns the report on rank 0 and ``{}`` elsewhere."""
+    env = init_distributed(config.device, config.collective_timeout_s)
+    report = Trainer(config, env, run_dir).run()
+    shutdown_distributed()
+    return report
+
+
+def traceback_path(run_dir: RunDir, rank: int) -> Path:
+    return run_dir.logs / f"rank{rank}.traceback.txt"
+
+
+def save_traceback(run_dir: RunDir, rank: int, exc: BaseException) -> Path:
+    path = traceback_path(run_dir, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(traceback.format_exception(exc)))
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    run_dir = RunDir(args[0])
+    rank = int(os.environ.get("RANK", 0))
+    try:
+        run_worker(TrainConfig(**run_dir.read_config()), run_dir)
+    except BaseException as exc:  # reported to the agent, then exit 1
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        save_traceback(run_dir, rank, exc)
+        ErrorHandler().record_exception(exc)
+        return 1
+    return 0
+
+
