@@ -67,7 +67,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 
 def _train(args: argparse.Namespace) -> int:
     from mlscale.config import build_config
-    from mlscale.train.launcher import train
+    from mlscale.train.launcher import fit
 
     overrides = {key: getattr(args, key) for key in (
         "task", "workers", "strategy", "steps", "epochs", "batch_size", "lr", "optimizer", "seed", "dtype",
@@ -75,7 +75,7 @@ def _train(args: argparse.Namespace) -> int:
         "faults", "log_every")}
     if args.task_opt:
         overrides["task_options"] = dict(args.task_opt)
-    report = train(build_config(args.config, **overrides))
+    report = fit(build_config(args.config, **overrides))
     if report:
         print_train_summary(report)
     return 0

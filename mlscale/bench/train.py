@@ -19,7 +19,7 @@ from typing import Any
 
 from mlscale.bench.machine import machine_info
 from mlscale.config import TrainConfig
-from mlscale.train.launcher import train
+from mlscale.train.launcher import fit
 
 WARMUP = 5
 
@@ -43,7 +43,7 @@ def run_ours(task: dict[str, Any], workers: int, steps: int, batch: int, scratch
     config = TrainConfig(task=task["name"], task_options=task["options"], workers=workers, steps=steps,
                          batch_size=batch, lr=task["lr"], lr_schedule="constant", log_every=max(10, steps // 5),
                          run_dir=str(scratch / f"ours-{time.time_ns()}"), warmup_steps_for_throughput=WARMUP)
-    return train(config)["samples_per_s"]
+    return fit(config)["samples_per_s"]
 
 
 def run_plain(task: dict[str, Any], workers: int, steps: int, batch: int, scratch: Path) -> float:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import signal
 import sys
 import time
 import uuid
@@ -29,7 +30,7 @@ _KNOCK_ON = re.compile(r"Connection closed by peer|Connection reset|Broken pipe|
                        r"DistBackendError|ProcessGroupGloo|Gloo|NCCL|timed out|Timeout|SIGTERM", re.I)
 
 
-def train(config: TrainConfig) -> dict[str, Any]:
+def fit(config: TrainConfig) -> dict[str, Any]:
     """Run a training job to the end; returns ``report.json`` (DESIGN.md §3) as a dict."""
     strategy_class(config.strategy)
     make_task(config.task, config.task_options)  # fail fast, with exit 2, on a bad task
@@ -114,11 +115,12 @@ def _failure_message(failure: Any) -> str:
 
 
 def _root_cause(exc: Any) -> tuple[int, str]:
-    """The rank whose failure started it: a rank killed by a signal, else the earliest error that is
-    not a knock-on communication error, else the earliest of all."""
+    """The rank whose failure started it: a rank killed by a signal other than the agent's own SIGTERM
+    (SIGKILL, SIGSEGV, the OOM killer), else the earliest error that is not a knock-on communication
+    error, else the earliest of all."""
     failures = sorted(exc.failures.items(), key=lambda item: (item[1].timestamp, item[0]))
     for rank, failure in failures:
-        if failure.exitcode < 0:
+        if failure.exitcode < 0 and -failure.exitcode not in (signal.SIGTERM, signal.SIGINT):
             return rank, _failure_message(failure)
     for rank, failure in failures:
         if not _KNOCK_ON.search(_failure_message(failure)):

@@ -1,0 +1,68 @@
+"""Bad input exits 2 with one line naming the value; a crashing worker exits 1 with its error once."""
+
+import pytest
+
+from mlscale.cli import main
+from tests.helpers import run_cli
+
+
+@pytest.mark.parametrize(("args", "named"), [
+    (["--workers", "0"], "workers=0"),
+    (["--batch-size", "0"], "batch-size=0"),
+    (["--task", "nope"], "task='nope'"),
+    (["--task", "no.such.module:make"], "no.such.module"),
+    (["--strategy", "nope"], "strategy='nope'"),
+    (["--dtype", "float16"], "dtype='float16'"),
+    (["--fault", "explode:rank=1"], "fault='explode:rank=1'"),
+    (["--fault", "kill:rank=1"], "missing step"),
+    (["--config", "/no/such/file.toml"], "/no/such/file.toml"),
+    (["--task", "digits", "--task-opt", "model=rnn"], "rnn"),
+])
+def test_bad_values_exit_2_with_one_line_naming_them(args, named, capsys, tmp_path):
+    code = main(["train", *args, "--steps", "1", "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert named in err and len(err.splitlines()) == 1, err
+    assert not (tmp_path / "run").exists(), "a rejected config must not leave a run behind"
+
+
+def test_unknown_key_in_config_file(tmp_path, capsys):
+    config = tmp_path / "run.toml"
+    config.write_text('task = "digits"\nwrokers = 2\n')
+    assert main(["train", "--config", str(config)]) == 2
+    assert "unknown configuration key 'wrokers'" in capsys.readouterr().err
+
+
+def test_config_file_values_are_used_and_flags_override_them(tmp_path):
+    from mlscale.config import build_config
+
+    config = tmp_path / "run.toml"
+    config.write_text('task = "synthetic"\nbatch_size = 8\n[task_options]\nwidth = 16\n')
+    built = build_config(config, batch_size=4)
+    assert built.task == "synthetic" and built.task_options == {"width": 16} and built.batch_size == 4
+
+
+def test_bad_usage_from_the_shell_prints_no_traceback():
+    result = run_cli("train", "--workers", "0")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr and "workers=0" in result.stderr
+
+
+def test_a_crashing_worker_fails_the_job_with_its_error_shown_once(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_cli("train", "--task", "tests.helpers:exploding_task", "--workers", "2", "--steps", "10",
+                     "--run-dir", str(run_dir), timeout=120)
+    assert result.returncode == 1
+    assert result.stderr.count("boom on rank 1 at step 3") == 1, result.stderr
+    assert "worker rank 1 failed: RuntimeError" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert "boom" in (run_dir / "logs" / "rank1.traceback.txt").read_text()
+    assert '"status": "failed"' in (run_dir / "report.json").read_text()
+
+
+def test_a_killed_worker_without_restarts_fails_the_job_naming_the_rank(tmp_path):
+    result = run_cli("train", "--task", "digits", "--workers", "2", "--steps", "10", "--fault", "kill:rank=1:step=4",
+                     "--run-dir", str(tmp_path / "run"), timeout=120)
+    assert result.returncode == 1
+    assert "worker rank 1 failed: Signal 9 (SIGKILL)" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr

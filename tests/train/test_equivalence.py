@@ -1,0 +1,31 @@
+"""Data parallelism is exact: N workers x batch B == 1 worker x batch N*B (float64)."""
+
+import pytest
+
+from mlscale import TrainConfig, fit
+from tests.helpers import final_weights, max_abs_diff, run_cli
+
+STEPS, BATCH = 30, 16
+
+
+@pytest.fixture(scope="module")
+def single_worker_runs(tmp_path_factory):
+    runs = {}
+    for world in (2, 3):
+        run_dir = tmp_path_factory.mktemp(f"one-x-{world}")
+        fit(TrainConfig(task="digits", workers=1, steps=STEPS, batch_size=world * BATCH, dtype="float64",
+                          run_dir=str(run_dir / "run")))
+        runs[world] = run_dir / "run"
+    return runs
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_n_workers_end_with_the_weights_of_one_worker_with_n_times_the_batch(world, tmp_path, single_worker_runs):
+    run_dir = tmp_path / "run"
+    result = run_cli("train", "--task", "digits", "--workers", str(world), "--steps", str(STEPS),
+                     "--batch-size", str(BATCH), "--dtype", "float64", "--run-dir", str(run_dir), timeout=180)
+    assert result.returncode == 0, result.stderr
+    diff = max_abs_diff(final_weights(run_dir), final_weights(single_worker_runs[world]))
+    assert diff <= 1e-10, f"{world} workers differ from 1 worker by {diff:.3e}"
+    # and the runs really trained (a broken all-reduce would still give equal *initial* weights)
+    assert diff < max_abs_diff(final_weights(run_dir), {k: v * 0 for k, v in final_weights(run_dir).items()})

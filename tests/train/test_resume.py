@@ -1,0 +1,67 @@
+"""A run stopped at step k and resumed ends bit-identical to the uninterrupted run."""
+
+import shutil
+
+import pytest
+import torch
+
+from mlscale import TrainConfig, UsageError, fit
+from mlscale.train.checkpoint import Checkpointer
+from tests.helpers import final_weights, run_cli
+
+STEPS, EVERY, STOP = 24, 6, 12
+
+
+def stop_at(run_dir, step):
+    """Make ``run_dir`` look like a run that died right after its checkpoint at ``step``."""
+    checkpoints = Checkpointer(run_dir / "checkpoints")
+    for s in checkpoints.steps():
+        if s > step:
+            checkpoints.path_for(s).unlink()
+    shutil.rmtree(run_dir / "final")
+    (run_dir / "report.json").unlink()
+
+
+def assert_bitwise_equal(a, b):
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{key} differs after resume"
+
+
+def test_single_worker_resume_is_bit_identical(tmp_path):
+    config = dict(task="digits-cnn", steps=STEPS, checkpoint_every=EVERY, keep_checkpoints=10, seed=7,
+                  optimizer="adam", lr=0.01, warmup_steps=3)
+    full = tmp_path / "full"
+    fit(TrainConfig(**config, run_dir=str(full)))
+    resumed = tmp_path / "resumed"
+    shutil.copytree(full, resumed)
+    stop_at(resumed, STOP)
+    report = fit(TrainConfig(**config, run_dir=str(resumed), resume=True))
+    assert report["resumed_from_step"] == STOP and report["steps"] == STEPS
+    assert_bitwise_equal(final_weights(full), final_weights(resumed))
+
+
+def test_two_worker_resume_is_bit_identical(tmp_path):
+    args = ["train", "--task", "digits", "--workers", "2", "--steps", str(STEPS), "--checkpoint-every", str(EVERY),
+            "--keep-checkpoints", "10", "--batch-size", "16"]
+    full = tmp_path / "full"
+    assert run_cli(*args, "--run-dir", str(full)).returncode == 0
+    resumed = tmp_path / "resumed"
+    shutil.copytree(full, resumed)
+    stop_at(resumed, STOP)
+    result = run_cli(*args, "--run-dir", str(resumed), "--resume")
+    assert result.returncode == 0, result.stderr
+    assert_bitwise_equal(final_weights(full), final_weights(resumed))
+
+
+def test_resume_without_a_checkpoint_is_a_usage_error(tmp_path):
+    with pytest.raises(UsageError, match="nothing to resume"):
+        fit(TrainConfig(task="digits", steps=2, run_dir=str(tmp_path / "empty"), resume=True))
+
+
+def test_a_finished_run_dir_is_not_overwritten(tmp_path):
+    fit(TrainConfig(task="digits", steps=2, run_dir=str(tmp_path / "run")))
+    before = (tmp_path / "run" / "final" / "model.safetensors").read_bytes()
+    with pytest.raises(UsageError, match="already holds a run"):
+        fit(TrainConfig(task="digits", steps=2, seed=1, run_dir=str(tmp_path / "run")))
+    assert (tmp_path / "run" / "final" / "model.safetensors").read_bytes() == before
