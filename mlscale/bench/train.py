@@ -27,8 +27,8 @@ WARMUP = 5
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="bench/results/train", help="folder for train.json and train.png")
     p.add_argument("--workers", default="1,2", help="world sizes to compare, comma-separated (default 1,2)")
-    p.add_argument("--repeats", type=int, default=3, help="alternating repeats of each pair (default 3)")
-    p.add_argument("--steps", type=int, default=60, help="steps per run, the first 5 are warm-up (default 60)")
+    p.add_argument("--repeats", type=int, default=5, help="alternating repeats of each pair (default 5)")
+    p.add_argument("--steps", type=int, default=300, help="steps per run, the first 5 are warm-up (default 300)")
     p.add_argument("--batch-size", type=int, default=128, help="per worker (default 128)")
     p.add_argument("--width", type=int, default=1024, help="hidden width of the synthetic MLP (default 1024)")
     p.add_argument("--depth", type=int, default=2, help="hidden layers of the synthetic MLP (default 2)")
@@ -114,10 +114,13 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.bar([i + offset for i in range(len(sizes))], medians, 0.4, yerr=errors, capsize=4, color=color,
                label="mlscale" if name == "ours" else "plain DDP loop")
     for i, size in enumerate(sizes):
-        ratio = results["world_sizes"][size]["ratio_ours_over_plain"]["median"]
-        ax.annotate(f"{ratio:.3f}x", (i, 0), xytext=(0, 4), textcoords="offset points", ha="center")
+        row = results["world_sizes"][size]
+        top = max(row["ours"]["max"], row["plain"]["max"])
+        ax.annotate(f"ours/plain {row['ratio_ours_over_plain']['median']:.3f}x", (i, top), xytext=(0, 6),
+                    textcoords="offset points", ha="center")
     ax.set_xticks(range(len(sizes)), [f"{s} worker(s)" for s in sizes])
     ax.set_ylabel("samples/s (median, min-max)")
+    ax.set_ylim(top=ax.get_ylim()[1] * 1.12)
     ax.set_title("Training throughput: mlscale vs plain DDP")
     ax.legend()
     fig.tight_layout()
