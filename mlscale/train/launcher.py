@@ -48,7 +48,10 @@ def fit(config: TrainConfig) -> dict[str, Any]:
 
 
 def default_run_dir(task: str) -> str:
+    """``runs/<time>-<task>``; under torchrun ``runs/<run id>``, the same on every rank and host."""
     safe_task = re.sub(r"[^A-Za-z0-9_.-]+", "-", task)
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        return f"runs/{os.environ['TORCHELASTIC_RUN_ID']}-{safe_task}"
     return f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{safe_task}"
 
 
