@@ -58,9 +58,15 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", action="store_true", default=None, help="continue from the latest checkpoint")
     p.add_argument("--checkpoint-every", type=int, metavar="K", help="checkpoint every K steps (and at the end)")
     p.add_argument("--keep-checkpoints", type=int, metavar="K", help="keep the newest K checkpoints (default 3)")
-    p.add_argument("--max-restarts", type=int, metavar="R", help="restart the worker group up to R times")
+    p.add_argument("--no-async-checkpoint", action="store_false", dest="async_checkpoint", default=None,
+                   help="write checkpoints on the training thread (default: on a background thread)")
+    p.add_argument("--max-restarts", type=int, metavar="R",
+                   help="restart the worker group up to R times after a failure, resuming from the newest checkpoint")
+    p.add_argument("--collective-timeout", type=float, metavar="S", dest="collective_timeout_s",
+                   help="seconds a collective may wait for a peer before the job treats it as hung (default 300)")
     p.add_argument("--fault", action="append", metavar="SPEC", dest="faults",
-                   help="inject a failure: kill:rank=R:step=K or slow:rank=R:delay_ms=D (repeatable)")
+                   help="inject a failure (repeatable): kill:rank=R:step=K, hang:rank=R:step=K, "
+                   "slow:rank=R:delay_ms=D, kill_during_checkpoint:step=K")
     p.add_argument("--log-every", type=int, metavar="K", help="metrics line every K steps (default 10)")
     p.set_defaults(handler=_train)
 
@@ -71,8 +77,8 @@ def _train(args: argparse.Namespace) -> int:
 
     overrides = {key: getattr(args, key) for key in (
         "task", "workers", "strategy", "steps", "epochs", "batch_size", "lr", "optimizer", "seed", "dtype",
-        "precision", "device", "run_dir", "resume", "checkpoint_every", "keep_checkpoints", "max_restarts",
-        "faults", "log_every")}
+        "precision", "device", "run_dir", "resume", "checkpoint_every", "keep_checkpoints", "async_checkpoint",
+        "max_restarts", "collective_timeout_s", "faults", "log_every")}
     if args.task_opt:
         overrides["task_options"] = dict(args.task_opt)
     report = fit(build_config(args.config, **overrides))

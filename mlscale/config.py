@@ -48,6 +48,7 @@ class TrainConfig(BaseModel):
     resume: bool = False
     checkpoint_every: int = Field(0, ge=0, description="0: only at the end")
     keep_checkpoints: int = Field(3, ge=1)
+    async_checkpoint: bool = Field(True, description="write checkpoints on a background thread")
     max_restarts: int = Field(0, ge=0)
     faults: list[str] = Field(default_factory=list)
     log_every: int = Field(10, ge=1)
@@ -70,7 +71,7 @@ class TrainConfig(BaseModel):
         return self
 
 
-_CLI_NAMES = {"task_options": "task-opt", "faults": "fault"}
+_CLI_NAMES = {"task_options": "task-opt", "faults": "fault", "collective_timeout_s": "collective-timeout"}
 
 
 def _describe(error: ValidationError) -> str:

@@ -43,6 +43,21 @@ def pick_device(preference: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def _attempt_store(attempt: int, world: int, timeout: timedelta) -> dist.Store | None:
+    """The rendezvous store, with keys kept apart per restart attempt.
+
+    Under the elastic agent, workers share the agent's TCPStore across restarts. Measured here (torch
+    2.13, gloo): a restarted group then sometimes hangs in gloo's connect, a peer having read the
+    address its partner published in the previous attempt. A prefix per attempt removes the stale keys.
+    Outside the agent, ``None`` lets ``init_process_group`` use ``env://`` as usual.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"mlscale/attempt_{attempt}", store)
+
+
 def init_distributed(device_preference: str = "auto", timeout_s: float = 300.0) -> DistEnv:
     """Join the process group described by the environment (nccl on CUDA, gloo on CPU)."""
     rank = int(os.environ.get("RANK", 0))
@@ -54,7 +69,9 @@ def init_distributed(device_preference: str = "auto", timeout_s: float = 300.0) 
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s),
+        timeout = timedelta(seconds=timeout_s)
+        dist.init_process_group(backend, store=_attempt_store(attempt, world, timeout), rank=rank,
+                                world_size=world, timeout=timeout,
                                 device_id=device if device.type == "cuda" else None)
     return DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=device, attempt=attempt)
 

@@ -1,26 +1,39 @@
 """Injected failures (``--fault SPEC``) for tests and demos.
 
-``kill:rank=R:step=K`` kills worker R with SIGKILL when it reaches step K, on the first attempt only
-(a restarted group must be able to get past the step). ``slow:rank=R:delay_ms=D`` makes worker R
-D milliseconds slower on every step, which is how straggler handling is exercised.
+- ``kill:rank=R:step=K``: worker R kills itself with SIGKILL when it reaches step K.
+- ``hang:rank=R:step=K``: worker R stops responding at step K (sleeps forever).
+- ``slow:rank=R:delay_ms=D``: worker R is D milliseconds slower on every step (a straggler).
+- ``kill_during_checkpoint:step=K``: the checkpoint writer dies halfway through writing the
+  checkpoint of step K (the temporary file is left torn, never renamed).
+
+Kill, hang and checkpoint faults fire on the first attempt of a fresh run only, so a restarted or
+resumed run can get past them. Each fault that fires is first written to ``logs/faults.jsonl`` with
+its exact time, which is how recovery time is measured.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from mlscale.errors import UsageError
 
-_FIELDS = {"kill": ("rank", "step"), "slow": ("rank", "delay_ms")}
+_FIELDS = {
+    "kill": ("rank", "step"),
+    "hang": ("rank", "step"),
+    "slow": ("rank", "delay_ms"),
+    "kill_during_checkpoint": ("step",),
+}
 
 
 @dataclass(frozen=True)
 class Fault:
     kind: str
-    rank: int
+    rank: int = 0
     step: int = 0
     delay_ms: float = 0.0
 
@@ -29,11 +42,12 @@ def parse_fault(spec: str) -> Fault:
     kind, *parts = spec.split(":")
     if kind not in _FIELDS:
         raise UsageError(f"bad value fault={spec!r}: kind must be one of {', '.join(_FIELDS)}")
+    expected = f"{kind}:" + ":".join(f"{f}=N" for f in _FIELDS[kind])
     values: dict[str, float] = {}
     for part in parts:
         key, sep, raw = part.partition("=")
         if not sep or key not in _FIELDS[kind]:
-            raise UsageError(f"bad value fault={spec!r}: expected {kind}:" + ":".join(f"{f}=N" for f in _FIELDS[kind]))
+            raise UsageError(f"bad value fault={spec!r}: expected {expected}")
         try:
             values[key] = float(raw)
         except ValueError:
@@ -41,24 +55,47 @@ def parse_fault(spec: str) -> Fault:
     missing = [field for field in _FIELDS[kind] if field not in values]
     if missing:
         raise UsageError(f"bad value fault={spec!r}: missing {', '.join(missing)}")
-    return Fault(
-        kind=kind,
-        rank=int(values["rank"]),
-        step=int(values.get("step", 0)),
-        delay_ms=values.get("delay_ms", 0.0),
-    )
+    return Fault(kind=kind, rank=int(values.get("rank", 0)), step=int(values.get("step", 0)),
+                 delay_ms=values.get("delay_ms", 0.0))
 
 
 class FaultInjector:
-    """Applies the faults aimed at this rank; a no-op object when there are none."""
+    """Applies the faults aimed at this rank; does nothing when there are none."""
 
-    def __init__(self, specs: list[str], rank: int, attempt: int) -> None:
+    def __init__(self, specs: list[str], rank: int, first_attempt: bool, log_path: Path | None = None) -> None:
         faults = [parse_fault(spec) for spec in specs]
-        self._kill_steps = {f.step for f in faults if f.kind == "kill" and f.rank == rank and attempt == 0}
+        once = [f for f in faults if first_attempt and f.kind != "slow"]
+        self._kill = {f.step: f for f in once if f.kind in ("kill", "hang") and f.rank == rank}
+        self._checkpoint_kill = {f.step: f for f in once if f.kind == "kill_during_checkpoint"}
         self._delay_s = sum(f.delay_ms for f in faults if f.kind == "slow" and f.rank == rank) / 1000.0
+        self.rank, self.log_path = rank, log_path
+
+    def _record(self, fault: Fault) -> None:
+        if self.log_path is None:
+            return
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("a") as handle:
+            handle.write(json.dumps({**asdict(fault), "rank": self.rank, "time": time.time()}) + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
 
     def before_step(self, step: int) -> None:
-        if step in self._kill_steps:
-            os.kill(os.getpid(), signal.SIGKILL)
+        fault = self._kill.get(step)
+        if fault is not None:
+            self._record(fault)
+            if fault.kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            while True:  # hang: alive, holding its sockets, never answering
+                time.sleep(3600)
         if self._delay_s:
             time.sleep(self._delay_s)
+
+    def during_checkpoint_write(self, step: int, partial_file: Path) -> None:
+        """Called by the checkpoint writer after the data is written, before the rename."""
+        fault = self._checkpoint_kill.get(step)
+        if fault is None:
+            return
+        self._record(fault)
+        with partial_file.open("r+b") as handle:  # leave a torn file, as a crash mid-write would
+            handle.truncate(max(1, partial_file.stat().st_size // 2))
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -25,6 +25,7 @@ from mlscale.train.strategies import strategy_class
 from mlscale.train.trainer import JOB_START_ENV
 from mlscale.train.worker import run_worker, save_traceback, traceback_path
 
+_TIMEOUT = re.compile(r"timed out|timeout", re.I)
 # Errors that a rank raises because *another* rank died: never the root cause.
 _KNOCK_ON = re.compile(r"Connection closed by peer|Connection reset|Broken pipe|DistNetworkError|"
                        r"DistBackendError|ProcessGroupGloo|Gloo|NCCL|timed out|Timeout|SIGTERM", re.I)
@@ -96,11 +97,25 @@ def _launch_local(config: TrainConfig, run_dir: RunDir) -> None:
     try:
         elastic_launch(launch, sys.executable)("-m", "mlscale.train", str(run_dir.path))
     except ChildFailedError as exc:
-        rank, message = _root_cause(exc)
-        _write_failed_report(config, run_dir, rank, message)
-        where = traceback_path(run_dir, rank)
-        hint = f"\n  traceback: {where}" if where.exists() else ""
-        raise WorkerFailed(f"worker rank {rank} failed: {message}{hint}", rank=rank) from None
+        rank, how = _root_cause(exc, config.collective_timeout_s)
+        _write_failed_report(config, run_dir, rank, how)
+        raise WorkerFailed(_failure_paragraph(config, run_dir, rank, how), rank=rank) from None
+
+
+def _failure_paragraph(config: TrainConfig, run_dir: RunDir, rank: int, how: str) -> str:
+    """What a user needs after a failed job: who failed and how, what was tried, how to go on."""
+    lines = [f"training failed: worker rank {rank} {how}."]
+    lines.append(f"  restarts used: {config.max_restarts} of {config.max_restarts} (--max-restarts).")
+    latest = Checkpointer(run_dir.checkpoints).latest()
+    if latest is not None:
+        lines.append(f"  last good checkpoint: {latest}")
+        lines.append(f"  resume with: mlscale train --config {run_dir.config_path} --resume")
+    else:
+        lines.append("  no checkpoint was written (see --checkpoint-every).")
+    where = traceback_path(run_dir, rank)
+    if where.exists():
+        lines.append(f"  traceback: {where}")
+    return "\n".join(lines)
 
 
 def _quiet_elastic_logs() -> None:
@@ -117,19 +132,38 @@ def _failure_message(failure: Any) -> str:
     return str(message)
 
 
-def _root_cause(exc: Any) -> tuple[int, str]:
-    """The rank whose failure started it: a rank killed by a signal other than the agent's own SIGTERM
-    (SIGKILL, SIGSEGV, the OOM killer), else the earliest error that is not a knock-on communication
-    error, else the earliest of all."""
+def _signal_name(failure: Any) -> str:
+    try:
+        return signal.Signals(-failure.exitcode).name
+    except ValueError:
+        return f"signal {-failure.exitcode}"
+
+
+def _root_cause(exc: Any, timeout_s: float) -> tuple[int, str]:
+    """The rank whose failure started it, and how it failed, in words.
+
+    In order: a rank killed by a signal other than the agent's own SIGTERM (SIGKILL, SIGSEGV, the OOM
+    killer); a rank that was still running when every other rank had timed out waiting for it (a
+    hang); the earliest error that is not a knock-on communication error; the earliest of all.
+    """
     failures = sorted(exc.failures.items(), key=lambda item: (item[1].timestamp, item[0]))
     for rank, failure in failures:
         if failure.exitcode < 0 and -failure.exitcode not in (signal.SIGTERM, signal.SIGINT):
-            return rank, _failure_message(failure)
-    for rank, failure in failures:
+            return rank, f"was killed by {_signal_name(failure)}"
+    reported = [(r, f) for r, f in failures if not _terminated_by_agent(f)]
+    silent = [r for r, f in failures if _terminated_by_agent(f)]
+    if reported and silent and all(_TIMEOUT.search(_failure_message(f)) for _, f in reported):
+        return silent[0], (f"stopped responding: the other ranks timed out after {timeout_s:g} s "
+                           "waiting for it (--collective-timeout)")
+    for rank, failure in reported:
         if not _KNOCK_ON.search(_failure_message(failure)):
-            return rank, _failure_message(failure)
+            return rank, f"failed: {_failure_message(failure)}"
     rank, failure = failures[0]
-    return rank, _failure_message(failure)
+    return rank, f"failed: {_failure_message(failure)}"
+
+
+def _terminated_by_agent(failure: Any) -> bool:
+    return failure.exitcode == -signal.SIGTERM and failure.error_file == "<N/A>"  # no error written
 
 
 def _write_failed_report(config: TrainConfig, run_dir: RunDir, rank: int, message: str) -> None:

@@ -25,6 +25,7 @@ from mlscale.train.checkpoint import Checkpointer, capture_rng, restore_rng
 from mlscale.train.dist import DistEnv, all_gather_floats, all_gather_objects
 from mlscale.train.faults import FaultInjector
 from mlscale.train.progress import Progress
+from mlscale.train.recovery import Heartbeat, RecoveryTracker, recovery_summary
 from mlscale.train.rundir import RunDir
 from mlscale.train.stragglers import flag_stragglers
 from mlscale.train.strategies import strategy_class
@@ -77,7 +78,8 @@ class Trainer:
         self.dtype = getattr(torch, config.dtype)
         self.train_data = self.task.train.to(self.dtype)
         self.strategy = strategy_class(config.strategy)(env)
-        self.faults = FaultInjector(config.faults, env.rank, env.attempt)
+        self.faults = FaultInjector(config.faults, env.rank, first_attempt=env.attempt == 0 and not config.resume,
+                                    log_path=run_dir.logs / "faults.jsonl")
 
         torch.manual_seed(config.seed)  # the same initial weights on every rank
         model = self.task.build_model().to(dtype=self.dtype, device=env.device)
@@ -87,12 +89,21 @@ class Trainer:
         self.total_steps = total_steps(config, len(self.train_data), env.world_size)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(config, self.total_steps))
         self.scaler = torch.amp.GradScaler(env.device.type, enabled=config.precision == "fp16")
-        self.checkpointer = Checkpointer(run_dir.checkpoints, keep=config.keep_checkpoints)
+        self.checkpointer = Checkpointer(run_dir.checkpoints, keep=config.keep_checkpoints,
+                                         async_save=config.async_checkpoint,
+                                         write_hook=self.faults.during_checkpoint_write)
+        self.checkpoint_stalls_ms: list[float] = []
 
         self.step, self.samples_seen, position = 0, 0, Position()
         self.resumed_from: int | None = None
+        self.resumed_world_size: int | None = None
         if config.resume or env.attempt > 0:
             position = self._restore()
+        self.heartbeat = Heartbeat(run_dir.path / "heartbeat", env.attempt, env.rank)
+        self.recovery: RecoveryTracker | None = None
+        if env.attempt > 0 and env.is_main:
+            self.recovery = RecoveryTracker(run_dir.path, run_dir.path / "heartbeat", run_dir.logs / "faults.jsonl",
+                                            attempt=env.attempt, resumed_from=self.step)
         self.loader = ShardLoader(self.train_data, rank=env.rank, world=env.world_size,
                                   batch_size=config.batch_size, seed=config.seed, position=position)
         self.global_batch = config.batch_size * env.world_size
@@ -105,10 +116,10 @@ class Trainer:
         np.random.seed(seed % 2**32)
 
     def _restore(self) -> Position:
-        path = self.checkpointer.latest()
-        if path is None:
+        found = self.checkpointer.load_latest()
+        if found is None:
             return Position()
-        state = self.checkpointer.load(path)
+        _, state = found
         self.strategy.unwrap(self.model).load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -117,13 +128,18 @@ class Trainer:
         if len(rngs) == self.env.world_size:
             restore_rng(rngs[self.env.rank])
         self.step, self.samples_seen = state["step"], state["samples_seen"]
-        self.resumed_from = self.step
+        self.resumed_from, self.resumed_world_size = self.step, state["world_size"]
         return Position(**state["position"])
 
     def _checkpoint(self) -> None:
+        start = now()
         rngs = all_gather_objects(self.env, capture_rng())
         if not self.env.is_main:
             return
+        self._save_checkpoint(rngs)
+        self.checkpoint_stalls_ms.append((now() - start) * 1e3)
+
+    def _save_checkpoint(self, rngs: list[object]) -> None:
         self.checkpointer.save(self.step, {
             "step": self.step,
             "samples_seen": self.samples_seen,
@@ -167,6 +183,10 @@ class Trainer:
         window.timings.append((step_ms, step_ms - data_ms - exposed_ms, comm_ms, exposed_ms, data_ms))
         self.step += 1
         self.samples_seen += self.global_batch
+        self.heartbeat.beat(self.step)
+        if self.recovery is not None:
+            self.recovery.first_step_done()
+            self.recovery = None
 
     def _log(self, window: _Window, progress: Progress | None) -> float:
         """Gather loss and timings from all ranks; rank 0 writes a metrics line. Returns the loss."""
@@ -218,6 +238,8 @@ class Trainer:
                 progress.close()
         if not config.checkpoint_every or self.step % config.checkpoint_every:
             self._checkpoint()
+        self.checkpointer.wait()
+        self.heartbeat.close()
         return self._finish(final_loss, all_timings, measure_from)
 
     # -- the end ------------------------------------------------------------------------------
@@ -256,12 +278,20 @@ class Trainer:
             "final_loss": final_loss,
             "eval": self.evaluate(),
             "restarts": self.env.attempt,
+            "recovery": recovery_summary(self.run_dir.path),
+            "checkpoint": {
+                "saves": len(self.checkpoint_stalls_ms),
+                "async": self.config.async_checkpoint,
+                "stall_ms_p50": median(self.checkpoint_stalls_ms),
+                "stall_ms_max": max(self.checkpoint_stalls_ms, default=0.0),
+            },
             "per_rank": per_rank,
             "stragglers": flag_stragglers(per_rank),
             "wall_s": time.time() - job_start,
             "model_uri": None,
             "run_dir": str(self.run_dir.path),
             "resumed_from_step": self.resumed_from,
+            "resumed_from_world_size": self.resumed_world_size,
             "epochs": self.samples_seen / len(self.train_data),
             "dtype": self.config.dtype,
             "precision": self.config.precision,

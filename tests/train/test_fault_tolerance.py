@@ -1,0 +1,100 @@
+"""Killed, hung and checkpoint-crashing workers are recovered automatically and the run stays the same run.
+
+Every scenario runs 2 real worker processes through the elastic launcher and compares the final weights
+bitwise with the same run without the fault.
+"""
+
+import json
+
+import pytest
+import torch
+
+from tests.helpers import final_weights, run_cli
+
+STEPS, EVERY = 24, 5
+BASE = ["train", "--task", "digits", "--workers", "2", "--steps", str(STEPS), "--checkpoint-every", str(EVERY),
+        "--batch-size", "16", "--collective-timeout", "5"]
+
+
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("clean") / "run"
+    result = run_cli(*BASE, "--run-dir", str(run_dir))
+    assert result.returncode == 0, result.stderr
+    return final_weights(run_dir)
+
+
+def run_with(tmp_path, *extra, timeout=120):
+    run_dir = tmp_path / "run"
+    result = run_cli(*BASE, "--run-dir", str(run_dir), *extra, timeout=timeout)
+    report = json.loads((run_dir / "report.json").read_text()) if (run_dir / "report.json").exists() else {}
+    return run_dir, result, report
+
+
+def assert_same_run(a, b):
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a), "the recovered run ended with other weights"
+
+
+@pytest.mark.parametrize("rank", [1, 0])
+def test_a_killed_worker_is_restarted_and_the_run_ends_bit_identical(rank, tmp_path, clean_run):
+    run_dir, result, report = run_with(tmp_path, "--max-restarts", "1", "--fault", f"kill:rank={rank}:step=13")
+    assert result.returncode == 0, result.stderr
+    assert report["status"] == "completed" and report["restarts"] == 1
+    assert_same_run(final_weights(run_dir), clean_run)
+    [event] = report["recovery"]["events"]
+    assert event["failed_at_step"] == 12 and event["resumed_from_step"] == 10 and event["steps_redone"] == 2
+    assert 0 < event["downtime_s"] < 60
+
+
+def test_a_hung_worker_is_detected_by_the_collective_timeout_and_restarted(tmp_path, clean_run):
+    run_dir, result, report = run_with(tmp_path, "--max-restarts", "1", "--fault", "hang:rank=1:step=8")
+    assert result.returncode == 0, result.stderr
+    assert report["restarts"] == 1
+    assert_same_run(final_weights(run_dir), clean_run)
+    assert report["recovery"]["events"][0]["downtime_s"] >= 5  # the timeout is part of the downtime
+
+
+def test_out_of_restarts_a_hang_fails_naming_the_rank_and_how_to_resume(tmp_path):
+    run_dir, result, report = run_with(tmp_path, "--fault", "hang:rank=1:step=8")
+    assert result.returncode == 1
+    assert "worker rank 1 stopped responding" in result.stderr and "5 s" in result.stderr
+    assert "last good checkpoint:" in result.stderr and "step_00000005.pt" in result.stderr
+    assert f"mlscale train --config {run_dir}/config.json --resume" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert report["status"] == "failed" and report["error"]["rank"] == 1
+
+
+def test_out_of_restarts_a_kill_fails_with_one_paragraph_and_the_resume_command_works(tmp_path, clean_run):
+    run_dir, result, _ = run_with(tmp_path, "--fault", "kill:rank=1:step=7")
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert lines[0] == "mlscale: training failed: worker rank 1 was killed by SIGKILL."
+    assert "restarts used: 0 of 0" in result.stderr
+    assert "step_00000005.pt" in result.stderr and "Traceback" not in result.stderr
+    resumed = run_cli("train", "--config", str(run_dir / "config.json"), "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert_same_run(final_weights(run_dir), clean_run)
+
+
+def test_a_crash_while_writing_a_checkpoint_leaves_the_previous_one_and_the_run_recovers(tmp_path, clean_run):
+    run_dir, result, report = run_with(tmp_path, "--max-restarts", "1", "--fault", "kill_during_checkpoint:step=15")
+    assert result.returncode == 0, result.stderr
+    [event] = report["recovery"]["events"]
+    assert event["resumed_from_step"] == 10
+    assert_same_run(final_weights(run_dir), clean_run)
+
+
+def test_resume_skips_a_damaged_newest_checkpoint(tmp_path, clean_run):
+    run_dir, result, _ = run_with(tmp_path, "--keep-checkpoints", "10")
+    assert result.returncode == 0
+    for name in ("step_00000024.pt", "step_00000020.pt"):
+        (run_dir / "checkpoints" / name).unlink()
+    (run_dir / "report.json").unlink()
+    newest = run_dir / "checkpoints" / "step_00000015.pt"
+    newest.write_bytes(newest.read_bytes()[:1000])  # truncated by a disk fault
+    result = run_cli(*BASE, "--run-dir", str(run_dir), "--resume")
+    assert result.returncode == 0, result.stderr
+    assert "skipping damaged checkpoint" in result.stderr
+    assert json.loads((run_dir / "report.json").read_text())["resumed_from_step"] == 10
+    assert_same_run(final_weights(run_dir), clean_run)
