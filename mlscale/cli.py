@@ -112,13 +112,19 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                              description="Runs our trainer and a plain torch DDP loop alternately on the "
                              "same model, data, world size and steps; reports samples/s and their ratio.")
     add_arguments(t)
-    t.set_defaults(handler=_bench_train)
+    t.set_defaults(handler=lambda args: _bench("train", args))
+    from mlscale.bench import checkpoint
+
+    c = bench_sub.add_parser("checkpoint", help="training stall of checkpointing, blocking vs async",
+                             description=checkpoint.__doc__.split("\n\n")[1] if checkpoint.__doc__ else None)
+    checkpoint.add_arguments(c)
+    c.set_defaults(handler=lambda args: _bench("checkpoint", args))
 
 
-def _bench_train(args: argparse.Namespace) -> int:
-    from mlscale.bench.train import run_from_args
+def _bench(what: str, args: argparse.Namespace) -> int:
+    import importlib
 
-    run_from_args(args)
+    importlib.import_module(f"mlscale.bench.{what}").run_from_args(args)
     return 0
 
 

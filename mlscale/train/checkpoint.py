@@ -16,6 +16,7 @@ import random
 import re
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,7 @@ class Checkpointer:
         self.keep, self.async_save, self.write_hook = keep, async_save, write_hook
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self.write_ms: list[float] = []  # how long each file took to write, wherever it was written
 
     def path_for(self, step: int) -> Path:
         return self.directory / f"step_{step:08d}.pt"
@@ -83,7 +85,9 @@ class Checkpointer:
             if self.write_hook is not None:
                 self.write_hook(step, tmp)
 
+        start = time.perf_counter()
         atomic_write(self.path_for(step), write)
+        self.write_ms.append((time.perf_counter() - start) * 1e3)
         self._prune()
 
     def steps(self) -> list[int]:

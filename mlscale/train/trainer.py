@@ -11,6 +11,7 @@ import contextlib
 import math
 import os
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -129,15 +130,23 @@ class Trainer:
             restore_rng(rngs[self.env.rank])
         self.step, self.samples_seen = state["step"], state["samples_seen"]
         self.resumed_from, self.resumed_world_size = self.step, state["world_size"]
+        old_batch = state.get("global_batch", self.config.batch_size * state["world_size"])
+        if self.env.is_main and old_batch != self.config.batch_size * self.env.world_size:
+            print(f"mlscale: resuming step {self.step} of a {state['world_size']}-worker run on "
+                  f"{self.env.world_size}: global batch {old_batch} -> {self.config.batch_size * self.env.world_size}"
+                  f" (--batch-size {old_batch // self.env.world_size} keeps it)", file=sys.stderr)
         return Position(**state["position"])
 
-    def _checkpoint(self) -> None:
+    def _checkpoint(self, final: bool = False) -> None:
+        """Save a checkpoint; the time the training thread was held goes into the stall statistics
+        (not for the final one, after which there is no training left to stall)."""
         start = now()
         rngs = all_gather_objects(self.env, capture_rng())
         if not self.env.is_main:
             return
         self._save_checkpoint(rngs)
-        self.checkpoint_stalls_ms.append((now() - start) * 1e3)
+        if not final:
+            self.checkpoint_stalls_ms.append((now() - start) * 1e3)
 
     def _save_checkpoint(self, rngs: list[object]) -> None:
         self.checkpointer.save(self.step, {
@@ -145,6 +154,7 @@ class Trainer:
             "samples_seen": self.samples_seen,
             "position": self.loader.position.as_dict(),
             "world_size": self.env.world_size,
+            "global_batch": self.global_batch,
             "model": self.strategy.unwrap(self.model).state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
@@ -232,12 +242,12 @@ class Trainer:
                     final_loss = self._log(window, progress)
                     window = _Window()
                 if config.checkpoint_every and self.step % config.checkpoint_every == 0:
-                    self._checkpoint()
+                    self._checkpoint(final=self.step == self.total_steps)
         finally:
             if progress is not None:
                 progress.close()
         if not config.checkpoint_every or self.step % config.checkpoint_every:
-            self._checkpoint()
+            self._checkpoint(final=True)
         self.checkpointer.wait()
         self.heartbeat.close()
         return self._finish(final_loss, all_timings, measure_from)
@@ -280,10 +290,11 @@ class Trainer:
             "restarts": self.env.attempt,
             "recovery": recovery_summary(self.run_dir.path),
             "checkpoint": {
-                "saves": len(self.checkpoint_stalls_ms),
                 "async": self.config.async_checkpoint,
+                "saves_during_training": len(self.checkpoint_stalls_ms),
                 "stall_ms_p50": median(self.checkpoint_stalls_ms),
                 "stall_ms_max": max(self.checkpoint_stalls_ms, default=0.0),
+                "write_ms_p50": median(self.checkpointer.write_ms),
             },
             "per_rank": per_rank,
             "stragglers": flag_stragglers(per_rank),
