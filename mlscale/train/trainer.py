@@ -21,6 +21,7 @@ import torch
 
 from mlscale.config import TrainConfig
 from mlscale.data import Position, ShardLoader, steps_per_epoch
+from mlscale.lineage import code_version, data_fingerprint
 from mlscale.tasks import make_task
 from mlscale.train.checkpoint import Checkpointer, capture_rng, restore_rng
 from mlscale.train.dist import DistEnv, all_gather_floats, all_gather_objects
@@ -308,6 +309,8 @@ class Trainer:
             "precision": self.config.precision,
             "device": str(self.env.device),
             "torch": torch.__version__,
+            "data_fingerprint": data_fingerprint(self.task.train, self.task.eval),
+            "code_version": code_version(),
         }
         self.run_dir.write_report(report)
         return report

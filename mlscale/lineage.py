@@ -1,0 +1,36 @@
+"""Where a model came from: data set fingerprint and code version, recorded at training time."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+from pathlib import Path
+
+from mlscale.tasks.base import TensorData
+
+
+def data_fingerprint(*datasets: TensorData) -> str:
+    """SHA-256 over the exact bytes (and shapes and dtypes) of the data sets, in order."""
+    digest = hashlib.sha256()
+    for data in datasets:
+        for tensor in (data.inputs, data.targets):
+            digest.update(f"{tuple(tensor.shape)}:{tensor.dtype}".encode())
+            digest.update(tensor.contiguous().cpu().numpy().tobytes())
+    return "sha256:" + digest.hexdigest()
+
+
+def code_version(where: str | Path = ".") -> dict[str, str | bool | None]:
+    """mlscale's version and, inside a git work tree, its commit and whether it had local changes."""
+    from mlscale import __version__
+
+    version: dict[str, str | bool | None] = {"mlscale": __version__, "git_commit": None, "git_dirty": None}
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True, timeout=5)
+        if commit.returncode == 0:
+            version["git_commit"] = commit.stdout.strip()
+            status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=where,
+                                    capture_output=True, text=True, timeout=5)
+            version["git_dirty"] = bool(status.stdout.strip())
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return version

@@ -1,0 +1,83 @@
+"""Artifact storage behind a small interface: files in a folder today, an object store later.
+
+Every artifact is addressed by a key (``NAME/VERSION/FILE``), recorded with its SHA-256 at
+registration, and verified on every fetch, so a tampered or truncated file is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from mlscale.errors import MlscaleError
+
+
+class ArtifactIntegrityError(MlscaleError):
+    """An artifact's bytes are not the ones registered."""
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class StoredArtifact:
+    key: str
+    sha256: str
+    size_bytes: int
+
+
+class ArtifactStore(Protocol):
+    def put(self, key: str, source: Path) -> StoredArtifact: ...
+
+    def fetch(self, key: str, sha256: str) -> Path: ...
+
+    def move_prefix(self, source: str, target: str) -> None: ...
+
+    def delete_prefix(self, prefix: str) -> None: ...
+
+
+class LocalArtifactStore:
+    """Artifacts as files under ``root``; ``fetch`` returns a verified local path."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+
+    def _path(self, key: str) -> Path:
+        path = (self.root / key).resolve()
+        if self.root.resolve() not in path.parents:
+            raise MlscaleError(f"artifact key {key!r} escapes the artifact root")
+        return path
+
+    def put(self, key: str, source: Path) -> StoredArtifact:
+        target = self._path(key)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, target)
+        return StoredArtifact(key, sha256_file(target), target.stat().st_size)
+
+    def fetch(self, key: str, sha256: str) -> Path:
+        path = self._path(key)
+        if not path.is_file():
+            raise ArtifactIntegrityError(f"artifact {key} is missing from {self.root}")
+        actual = sha256_file(path)
+        if actual != sha256:
+            raise ArtifactIntegrityError(f"artifact {key} is damaged or was changed: SHA-256 {actual[:12]}... "
+                                         f"differs from the registered {sha256[:12]}...; refusing to load it")
+        return path
+
+    def move_prefix(self, source: str, target: str) -> None:
+        """Rename a folder of artifacts; a stale ``target`` (no registry row points to it) is replaced."""
+        src, dst = self._path(source), self._path(target)
+        if dst.exists():
+            shutil.rmtree(dst)
+        src.rename(dst)
+
+    def delete_prefix(self, prefix: str) -> None:
+        shutil.rmtree(self._path(prefix), ignore_errors=True)

@@ -1,0 +1,82 @@
+"""Between runs, the registry and runnable models: register a finished run, rebuild a version's model.
+
+A version stores the plain weights (safetensors, no pickle) and the run's resolved configuration; the
+model is rebuilt from its task and the verified weights are loaded into it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from mlscale.config import TrainConfig
+from mlscale.errors import UsageError
+from mlscale.registry.store import ModelVersion, Registry
+from mlscale.tasks import Task, make_task
+from mlscale.train.rundir import RunDir
+
+WEIGHTS = "model.safetensors"
+_DATATYPES = {torch.float32: "FP32", torch.float64: "FP64", torch.float16: "FP16", torch.bfloat16: "BF16",
+              torch.int64: "INT64", torch.int32: "INT32"}
+
+
+def task_of(config: dict[str, Any]) -> Task:
+    return make_task(config["task"], config.get("task_options") or {})
+
+
+def signature_of(config: dict[str, Any], task: Task | None = None) -> dict[str, Any]:
+    """Input and output tensors with a dynamic batch dimension (-1), in the Open Inference Protocol's
+    datatype names."""
+    task = task or task_of(config)
+    model = build_model(config, task)
+    dtype = getattr(torch, config.get("dtype", "float32"))
+    sample = task.eval.to(dtype).inputs[:2]
+    with torch.no_grad():
+        output = model(sample)
+    return {
+        "inputs": [{"name": "input", "datatype": _DATATYPES[sample.dtype], "shape": [-1, *sample.shape[1:]]}],
+        "outputs": [{"name": "output", "datatype": _DATATYPES[output.dtype], "shape": [-1, *output.shape[1:]]}],
+    }
+
+
+def build_model(config: dict[str, Any], task: Task | None = None) -> nn.Module:
+    task = task or task_of(config)
+    model = task.build_model().to(getattr(torch, config.get("dtype", "float32")))
+    return model.eval()
+
+
+def load_torch_model(registry: Registry, version: ModelVersion) -> nn.Module:
+    """The version's model in eval mode, weights verified against their SHA-256 before loading."""
+    weights = load_file(str(registry.artifact_path(version, WEIGHTS)))
+    model = build_model(version.config)
+    model.load_state_dict(weights)
+    return model
+
+
+def register_run(registry: Registry, run_dir: str | Path, name: str, *, description: str = "",
+                 tags: dict[str, str] | None = None) -> ModelVersion:
+    """Register the final model of a completed run, with its lineage; updates the run's ``model_uri``."""
+    run = RunDir(run_dir)
+    if not run.report_path.exists():
+        raise UsageError(f"bad value run-dir={str(run_dir)!r}: no report.json (is it a training run directory?)")
+    report = run.read_report()
+    if report.get("status") != "completed":
+        raise UsageError(f"bad value run-dir={str(run_dir)!r}: the run did not complete ({report.get('status')})")
+    if not run.final_model_path.exists():
+        raise UsageError(f"bad value run-dir={str(run_dir)!r}: final/{WEIGHTS} is missing")
+    config = TrainConfig(**run.read_config()).model_dump()
+    metrics = {"eval": report.get("eval", {}), "final_loss": report.get("final_loss"),
+               "samples_per_s": report.get("samples_per_s"), "steps": report.get("steps"),
+               "samples_seen": report.get("samples_seen"), "world_size": report.get("world_size"),
+               "wall_s": report.get("wall_s")}
+    version = registry.create_version(
+        name, {WEIGHTS: run.final_model_path}, config=config, metrics=metrics, signature=signature_of(config),
+        source_run=str(run.path.resolve()), data_fingerprint=report.get("data_fingerprint"),
+        code_version=report.get("code_version") or {}, description=description, tags=tags)
+    report["model_uri"] = version.uri
+    run.write_report(report)
+    return version

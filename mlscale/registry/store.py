@@ -1,0 +1,410 @@
+"""The model registry: registered models, immutable numbered versions, stages, aliases, tags, lineage
+and an append-only audit log, on SQLAlchemy (SQLite by default, PostgreSQL for teams).
+
+Registration is all or nothing: artifacts are copied and hashed into a staging folder first, then one
+transaction takes the next version number, moves the folder into place and inserts the rows; on any
+failure the folder is removed, so a failed registration leaves no orphan version. On SQLite every
+transaction starts with ``BEGIN IMMEDIATE`` (writers queue on the lock instead of failing); on other
+databases the model's row is locked ``FOR UPDATE``; a duplicate version number from a race is
+retried in any case.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Connection, create_engine, event, func, insert, select, update
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
+
+from mlscale.errors import MlscaleError, UsageError
+from mlscale.registry import schema
+from mlscale.registry.artifacts import ArtifactStore, LocalArtifactStore
+from mlscale.registry.uri import ModelURI, canonical_stage, check_alias, check_name, parse_uri
+
+DEFAULT_LOCATION = "mlscale-registry"
+REGISTRY_ENV = "MLSCALE_REGISTRY"
+
+
+class RegistryError(MlscaleError):
+    """The registry could not do what was asked (exit 1)."""
+
+
+class NotFound(UsageError):
+    """No such model, version, alias or stage (exit 2)."""
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+
+
+def _who() -> str:
+    try:
+        return os.environ.get("MLSCALE_USER") or getpass.getuser()
+    except Exception:
+        return "unknown"
+
+
+@dataclass
+class Artifact:
+    name: str
+    key: str
+    sha256: str
+    size_bytes: int
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ModelVersion:
+    name: str
+    version: int
+    stage: str
+    description: str
+    created_at: str
+    created_by: str
+    source_run: str | None
+    config: dict[str, Any]
+    metrics: dict[str, Any]
+    data_fingerprint: str | None
+    code_version: dict[str, Any]
+    signature: dict[str, Any]
+    aliases: list[str] = field(default_factory=list)
+    tags: dict[str, str] = field(default_factory=dict)
+    artifacts: dict[str, Artifact] = field(default_factory=dict)
+
+    @property
+    def uri(self) -> str:
+        return f"models:/{self.name}/{self.version}"
+
+    def as_dict(self) -> dict[str, Any]:
+        data = {k: v for k, v in self.__dict__.items() if k != "artifacts"}
+        data["uri"] = self.uri
+        data["artifacts"] = {name: a.__dict__ for name, a in self.artifacts.items()}
+        return data
+
+
+def _sqlite_engine(url: str) -> Engine:
+    engine = create_engine(url, connect_args={"timeout": 60})
+
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+        dbapi_connection.isolation_level = None  # we issue BEGIN ourselves
+        dbapi_connection.execute("PRAGMA foreign_keys = ON")
+        dbapi_connection.execute("PRAGMA busy_timeout = 60000")
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(connection: Connection) -> None:
+        connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine
+
+
+def resolve_location(location: str | None) -> tuple[str, Path]:
+    """(database URL, artifact root) from ``--registry``, ``$MLSCALE_REGISTRY`` or the default folder."""
+    location = location or os.environ.get(REGISTRY_ENV) or DEFAULT_LOCATION
+    if "://" not in location:  # a folder: SQLite file and artifacts inside it
+        folder = Path(location)
+        folder.mkdir(parents=True, exist_ok=True)
+        return f"sqlite:///{folder / 'registry.db'}", folder / "artifacts"
+    if location.startswith("sqlite:///"):
+        db_path = Path(location.removeprefix("sqlite:///"))
+        db_path.parent.mkdir(parents=True, exist_ok=True)
+        return location, db_path.parent / "artifacts"
+    artifacts = os.environ.get("MLSCALE_ARTIFACTS", f"{DEFAULT_LOCATION}/artifacts")
+    return location, Path(artifacts)
+
+
+class Registry:
+    def __init__(self, location: str | None = None, artifacts: ArtifactStore | None = None) -> None:
+        url, artifact_root = resolve_location(location)
+        self.url = url
+        self.artifacts: ArtifactStore = artifacts or LocalArtifactStore(artifact_root)
+        try:
+            self.engine = _sqlite_engine(url) if url.startswith("sqlite") else create_engine(url)
+            self._migrate()
+        except OperationalError as exc:
+            raise RegistryError(f"cannot reach the registry database {self._safe_url()}: {exc.orig}") from None
+        except (SQLAlchemyError, ImportError, ValueError) as exc:
+            raise RegistryError(f"cannot open the registry at {self._safe_url()}: {exc}") from None
+
+    def _safe_url(self) -> str:
+        return self.url.split("@")[-1] if "@" in self.url else self.url
+
+    def _migrate(self) -> None:
+        schema.metadata.create_all(self.engine)
+        with self._tx() as conn:
+            found = conn.execute(select(schema.schema_info.c.version)).scalar()
+            if found is None:
+                conn.execute(insert(schema.schema_info).values(version=schema.SCHEMA_VERSION))
+            elif found > schema.SCHEMA_VERSION:
+                raise RegistryError(f"the registry's schema v{found} is newer than this mlscale understands "
+                                    f"(v{schema.SCHEMA_VERSION}); upgrade mlscale")
+
+    @contextmanager
+    def _tx(self) -> Iterator[Connection]:
+        try:
+            with self.engine.begin() as conn:
+                yield conn
+        except OperationalError as exc:
+            raise RegistryError(f"registry database error at {self._safe_url()}: {exc.orig}") from None
+
+    # -- registering ---------------------------------------------------------------------------
+    def create_version(self, name: str, files: dict[str, Path], *, config: dict[str, Any],
+                       metrics: dict[str, Any], signature: dict[str, Any], source_run: str | None = None,
+                       data_fingerprint: str | None = None, code_version: dict[str, Any] | None = None,
+                       description: str = "", tags: dict[str, str] | None = None) -> ModelVersion:
+        """Register ``files`` (artifact name -> local path) as the next version of ``name``."""
+        check_name(name)
+        staging = f"{name}/.staging-{uuid.uuid4().hex}"
+        stored = {artifact: self.artifacts.put(f"{staging}/{artifact}", path) for artifact, path in files.items()}
+        final_prefix: str | None = None
+        try:
+            for attempt in range(20):
+                try:
+                    with self._tx() as conn:
+                        version = self._next_version(conn, name)
+                        final_prefix = f"{name}/{version}"
+                        self.artifacts.move_prefix(staging, final_prefix)
+                        self._insert_version(conn, name, version, stored, final_prefix, config=config,
+                                             metrics=metrics, signature=signature, source_run=source_run,
+                                             data_fingerprint=data_fingerprint, code_version=code_version or {},
+                                             description=description, tags=tags or {})
+                    return self.get_version(name, version)
+                except IntegrityError:
+                    if final_prefix is not None:
+                        self.artifacts.move_prefix(final_prefix, staging)
+                        final_prefix = None
+                    time.sleep(0.01 * (attempt + 1))
+            raise RegistryError(f"could not register {name}: too many concurrent registrations")
+        except BaseException:
+            self.artifacts.delete_prefix(staging)
+            if final_prefix is not None and not self._version_exists(name, int(final_prefix.rsplit("/", 1)[1])):
+                self.artifacts.delete_prefix(final_prefix)
+            raise
+
+    def _next_version(self, conn: Connection, name: str) -> int:
+        now = _now()
+        exists = conn.execute(select(schema.models.c.name).where(schema.models.c.name == name)
+                              .with_for_update()).scalar()
+        if exists is None:
+            conn.execute(insert(schema.models).values(name=name, description="", created_at=now, updated_at=now))
+            self._audit(conn, name, None, "create_model", None, name)
+        latest = conn.execute(select(func.max(schema.versions.c.version))
+                              .where(schema.versions.c.name == name)).scalar()
+        return (latest or 0) + 1
+
+    def _insert_version(self, conn: Connection, name: str, version: int, stored: dict[str, Any], prefix: str,
+                        **fields: Any) -> None:
+        now = _now()
+        conn.execute(insert(schema.versions).values(
+            name=name, version=version, stage="None", description=fields["description"], created_at=now,
+            created_by=_who(), source_run=fields["source_run"], config=json.dumps(fields["config"]),
+            metrics=json.dumps(fields["metrics"]), data_fingerprint=fields["data_fingerprint"],
+            code_version=json.dumps(fields["code_version"]), signature=json.dumps(fields["signature"])))
+        for artifact, info in stored.items():
+            conn.execute(insert(schema.artifacts).values(
+                name=name, version=version, artifact=artifact, key=f"{prefix}/{artifact}", sha256=info.sha256,
+                size_bytes=info.size_bytes, created_at=now, info="{}"))
+        for key, value in fields["tags"].items():
+            conn.execute(insert(schema.tags).values(name=name, version=version, key=key, value=str(value)))
+        conn.execute(update(schema.models).where(schema.models.c.name == name).values(updated_at=now))
+        self._audit(conn, name, version, "create_version", None, str(version))
+
+    def add_artifact(self, name: str, version: int, artifact: str, path: Path, info: dict[str, Any]) -> Artifact:
+        """Attach a derived artifact (an ONNX export, say) to an existing version; replaces one of the name."""
+        self.get_version(name, version)
+        key = f"{name}/{version}/{artifact}"
+        stored = self.artifacts.put(key, path)
+        with self._tx() as conn:
+            table = schema.artifacts
+            where = (table.c.name == name) & (table.c.version == version) & (table.c.artifact == artifact)
+            conn.execute(table.delete().where(where))
+            conn.execute(insert(table).values(name=name, version=version, artifact=artifact, key=key,
+                                              sha256=stored.sha256, size_bytes=stored.size_bytes,
+                                              created_at=_now(), info=json.dumps(info)))
+            self._audit(conn, name, version, "add_artifact", None, artifact)
+        return Artifact(artifact, key, stored.sha256, stored.size_bytes, info)
+
+    # -- changing ------------------------------------------------------------------------------
+    def set_stage(self, name: str, version: int, stage: str, *, archive_existing: bool = False) -> ModelVersion:
+        stage = canonical_stage(stage)
+        with self._tx() as conn:
+            current = self._stage_of(conn, name, version)
+            if archive_existing and stage in ("Staging", "Production"):
+                others = conn.execute(select(schema.versions.c.version).where(
+                    (schema.versions.c.name == name) & (schema.versions.c.stage == stage)
+                    & (schema.versions.c.version != version))).scalars().all()
+                for other in others:
+                    self._write_stage(conn, name, other, stage, "Archived")
+            if current != stage:
+                self._write_stage(conn, name, version, current, stage)
+        return self.get_version(name, version)
+
+    def _write_stage(self, conn: Connection, name: str, version: int, old: str, new: str) -> None:
+        table = schema.versions
+        conn.execute(update(table).where((table.c.name == name) & (table.c.version == version)).values(stage=new))
+        self._audit(conn, name, version, "stage", old, new)
+
+    def _stage_of(self, conn: Connection, name: str, version: int) -> str:
+        table = schema.versions
+        stage = conn.execute(select(table.c.stage).where((table.c.name == name) & (table.c.version == version))
+                             ).scalar()
+        if stage is None:
+            self._raise_missing(conn, name, f"version {version}")
+        return stage
+
+    def set_alias(self, name: str, version: int, alias: str) -> ModelVersion:
+        check_alias(alias)
+        with self._tx() as conn:
+            self._stage_of(conn, name, version)
+            table = schema.aliases
+            where = (table.c.name == name) & (table.c.alias == alias)
+            old = conn.execute(select(table.c.version).where(where)).scalar()
+            conn.execute(table.delete().where(where))
+            conn.execute(insert(table).values(name=name, alias=alias, version=version))
+            self._audit(conn, name, version, f"alias:{alias}", None if old is None else str(old), str(version))
+        return self.get_version(name, version)
+
+    def delete_alias(self, name: str, alias: str) -> None:
+        with self._tx() as conn:
+            table = schema.aliases
+            where = (table.c.name == name) & (table.c.alias == alias)
+            old = conn.execute(select(table.c.version).where(where)).scalar()
+            if old is None:
+                self._raise_missing(conn, name, f"alias {alias!r}")
+            conn.execute(table.delete().where(where))
+            self._audit(conn, name, old, f"alias:{alias}", str(old), None)
+
+    def set_tag(self, name: str, version: int | None, key: str, value: str) -> None:
+        with self._tx() as conn:
+            if version:
+                self._stage_of(conn, name, version)
+            table = schema.tags
+            where = (table.c.name == name) & (table.c.version == (version or 0)) & (table.c.key == key)
+            conn.execute(table.delete().where(where))
+            conn.execute(insert(table).values(name=name, version=version or 0, key=key, value=value))
+            self._audit(conn, name, version, f"tag:{key}", None, value)
+
+    def set_description(self, name: str, version: int | None, text: str) -> None:
+        with self._tx() as conn:
+            if version:
+                self._stage_of(conn, name, version)
+                table = schema.versions
+                conn.execute(update(table).where((table.c.name == name) & (table.c.version == version))
+                             .values(description=text))
+            else:
+                conn.execute(update(schema.models).where(schema.models.c.name == name).values(description=text))
+            self._audit(conn, name, version, "description", None, text)
+
+    def _audit(self, conn: Connection, name: str, version: int | None, action: str, old: str | None,
+               new: str | None) -> None:
+        conn.execute(insert(schema.audit_log).values(name=name, version=version, action=action, from_value=old,
+                                                     to_value=new, who=_who(), at=_now()))
+
+    # -- reading -------------------------------------------------------------------------------
+    def _raise_missing(self, conn: Connection, name: str, what: str) -> None:
+        if conn.execute(select(schema.models.c.name).where(schema.models.c.name == name)).scalar() is None:
+            raise NotFound(f"no registered model named {name!r} in {self._safe_url()}")
+        raise NotFound(f"model {name!r} has no {what}")
+
+    def _version_exists(self, name: str, version: int) -> bool:
+        table = schema.versions
+        with self._tx() as conn:
+            return conn.execute(select(table.c.version).where(
+                (table.c.name == name) & (table.c.version == version))).scalar() is not None
+
+    def get_version(self, name: str, version: int) -> ModelVersion:
+        with self._tx() as conn:
+            table = schema.versions
+            row = conn.execute(select(table).where((table.c.name == name) & (table.c.version == version))
+                               ).mappings().first()
+            if row is None:
+                self._raise_missing(conn, name, f"version {version}")
+            return self._load(conn, row)
+
+    def _load(self, conn: Connection, row: Any) -> ModelVersion:
+        name, version = row["name"], row["version"]
+        alias_rows = conn.execute(select(schema.aliases.c.alias).where(
+            (schema.aliases.c.name == name) & (schema.aliases.c.version == version))).scalars().all()
+        tag_rows = conn.execute(select(schema.tags.c.key, schema.tags.c.value).where(
+            (schema.tags.c.name == name) & (schema.tags.c.version == version))).all()
+        artifact_rows = conn.execute(select(schema.artifacts).where(
+            (schema.artifacts.c.name == name) & (schema.artifacts.c.version == version))).mappings().all()
+        return ModelVersion(
+            name=name, version=version, stage=row["stage"], description=row["description"],
+            created_at=row["created_at"], created_by=row["created_by"], source_run=row["source_run"],
+            config=json.loads(row["config"]), metrics=json.loads(row["metrics"]),
+            data_fingerprint=row["data_fingerprint"], code_version=json.loads(row["code_version"]),
+            signature=json.loads(row["signature"]), aliases=sorted(alias_rows), tags=dict(tag_rows),
+            artifacts={a["artifact"]: Artifact(a["artifact"], a["key"], a["sha256"], a["size_bytes"],
+                                               json.loads(a["info"])) for a in artifact_rows})
+
+    def resolve(self, uri: str | ModelURI) -> ModelVersion:
+        """The version a URI points to now (an alias or stage may move later)."""
+        parsed = parse_uri(uri) if isinstance(uri, str) else uri
+        if parsed.version is not None:
+            return self.get_version(parsed.name, parsed.version)
+        with self._tx() as conn:
+            if parsed.alias is not None:
+                table = schema.aliases
+                version = conn.execute(select(table.c.version).where(
+                    (table.c.name == parsed.name) & (table.c.alias == parsed.alias))).scalar()
+                what = f"alias {parsed.alias!r}"
+            else:
+                table = schema.versions
+                version = conn.execute(select(func.max(table.c.version)).where(
+                    (table.c.name == parsed.name) & (table.c.stage == parsed.stage))).scalar()
+                what = f"version in stage {parsed.stage}"
+            if version is None:
+                self._raise_missing(conn, parsed.name, what)
+        return self.get_version(parsed.name, version)
+
+    def versions(self, name: str) -> list[ModelVersion]:
+        with self._tx() as conn:
+            rows = conn.execute(select(schema.versions).where(schema.versions.c.name == name)
+                                .order_by(schema.versions.c.version)).mappings().all()
+            if not rows:
+                self._raise_missing(conn, name, "versions")
+            return [self._load(conn, row) for row in rows]
+
+    def list_models(self) -> list[dict[str, Any]]:
+        with self._tx() as conn:
+            models = conn.execute(select(schema.models).order_by(schema.models.c.name)).mappings().all()
+            result = []
+            for model in models:
+                rows = conn.execute(select(schema.versions.c.version, schema.versions.c.stage).where(
+                    schema.versions.c.name == model["name"])).all()
+                aliases = conn.execute(select(schema.aliases.c.alias, schema.aliases.c.version).where(
+                    schema.aliases.c.name == model["name"])).all()
+                result.append({
+                    "name": model["name"], "description": model["description"],
+                    "latest_version": max((r[0] for r in rows), default=None),
+                    "stages": {r[1]: r[0] for r in sorted(rows) if r[1] != "None"},
+                    "aliases": {a: v for a, v in aliases}, "updated_at": model["updated_at"],
+                })
+            return result
+
+    def history(self, name: str) -> list[dict[str, Any]]:
+        with self._tx() as conn:
+            rows = conn.execute(select(schema.audit_log).where(schema.audit_log.c.name == name)
+                                .order_by(schema.audit_log.c.id)).mappings().all()
+            if not rows:
+                self._raise_missing(conn, name, "history")
+            return [dict(row) for row in rows]
+
+    def artifact_path(self, version: ModelVersion, artifact: str) -> Path:
+        """A local path to the artifact, verified against its registered SHA-256."""
+        if artifact not in version.artifacts:
+            raise NotFound(f"{version.uri} has no artifact {artifact!r} (has: {', '.join(version.artifacts)})")
+        record = version.artifacts[artifact]
+        return self.artifacts.fetch(record.key, record.sha256)
