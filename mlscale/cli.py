@@ -9,6 +9,7 @@ import argparse
 import sys
 from typing import Any
 
+from mlscale.cli_models import add_export, add_models, add_registry_option
 from mlscale.errors import MlscaleError, UsageError
 
 EXAMPLES = """examples:
@@ -68,6 +69,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    help="inject a failure (repeatable): kill:rank=R:step=K, hang:rank=R:step=K, "
                    "slow:rank=R:delay_ms=D, kill_during_checkpoint:step=K")
     p.add_argument("--log-every", type=int, metavar="K", help="metrics line every K steps (default 10)")
+    p.add_argument("--register", metavar="NAME", help="register the final model under NAME when training ends")
+    add_registry_option(p)
     p.set_defaults(handler=_train)
 
 
@@ -82,6 +85,10 @@ def _train(args: argparse.Namespace) -> int:
     if args.task_opt:
         overrides["task_options"] = dict(args.task_opt)
     report = fit(build_config(args.config, **overrides))
+    if report and args.register:
+        from mlscale.registry import Registry, register_run
+
+        report["model_uri"] = register_run(Registry(args.registry), report["run_dir"], args.register).uri
     if report:
         print_train_summary(report)
     return 0
@@ -98,6 +105,8 @@ def print_train_summary(report: dict[str, Any]) -> None:
         ("wall time", f"{report['wall_s']:.1f} s"),
         ("run dir", report["run_dir"]),
     ]
+    if report.get("model_uri"):
+        rows.append(("registered", report["model_uri"]))
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}")
@@ -133,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      "many, then serve it.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_train(sub)
+    add_models(sub)
+    add_export(sub)
     _add_bench(sub)
     return parser
 
@@ -151,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("mlscale: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # output piped into `head` and the like: not an error of ours
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

@@ -95,7 +95,8 @@ def check_parity(model: nn.Module, path: Path, inputs: torch.Tensor, rtol: float
     return Parity(abs_err, rel_err, rtol, atol, len(inputs), sizes, passed)
 
 
-def export_version(registry: Registry, uri: str, *, samples: int = 256) -> tuple[Artifact, Parity]:
+def export_version(registry: Registry, uri: str, *, samples: int = 256, rtol: float = RTOL,
+                   atol: float = ATOL) -> tuple[Artifact, Parity]:
     """Export a registered version to ONNX, check parity, store ``model.onnx`` in the same version."""
     import onnxruntime
 
@@ -105,7 +106,7 @@ def export_version(registry: Registry, uri: str, *, samples: int = 256) -> tuple
     with tempfile.TemporaryDirectory(prefix="mlscale-onnx-") as tmp:
         path = Path(tmp) / ONNX_ARTIFACT
         export_onnx(model, held_out[:2], path)
-        parity = check_parity(model, path, held_out)
+        parity = check_parity(model, path, held_out, rtol=rtol, atol=atol)
         if not parity.passed:
             raise ExportError(f"ONNX outputs differ from PyTorch for {version.uri}: max abs error "
                               f"{parity.max_abs_err:.3g}, max rel error {parity.max_rel_err:.3g} (allowed: rtol "

@@ -126,7 +126,10 @@ def resolve_location(location: str | None) -> tuple[str, Path]:
 
 class Registry:
     def __init__(self, location: str | None = None, artifacts: ArtifactStore | None = None) -> None:
-        url, artifact_root = resolve_location(location)
+        try:
+            url, artifact_root = resolve_location(location)
+        except OSError as exc:
+            raise RegistryError(f"cannot open the registry at {location}: {exc.strerror}: {exc.filename}") from None
         self.url = url
         self.artifacts: ArtifactStore = artifacts or LocalArtifactStore(artifact_root)
         try:

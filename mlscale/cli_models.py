@@ -1,0 +1,213 @@
+"""``mlscale models ...`` and ``mlscale export``: parse, call the registry API, print (or ``--json``)."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from mlscale.display import as_json, pairs, table
+
+
+def _registry(args: argparse.Namespace) -> Any:
+    from mlscale.registry import Registry
+
+    return Registry(args.registry)
+
+
+def add_registry_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--registry", metavar="URL", help="registry: a folder, sqlite:///FILE or postgresql://... "
+                   "(default: $MLSCALE_REGISTRY or ./mlscale-registry)")
+
+
+def _common(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    add_registry_option(p)
+    p.add_argument("--json", action="store_true", help="print JSON for scripts")
+    return p
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
+
+
+def add_models(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("models", help="the model registry: versions, stages, aliases, lineage",
+                       description="Model URIs: models:/NAME/VERSION, models:/NAME@ALIAS, models:/NAME/STAGE.")
+    msub = p.add_subparsers(dest="action", required=True)
+    _common(msub.add_parser("list", help="registered models")).set_defaults(handler=_list)
+    show = _common(msub.add_parser("show", help="a model's versions and history, or one version's lineage"))
+    show.add_argument("target", help="NAME, or a model URI for one version")
+    show.set_defaults(handler=_show)
+    reg = _common(msub.add_parser("register", help="register a finished run's final model as a new version"))
+    reg.add_argument("run_dir", metavar="RUN_DIR")
+    reg.add_argument("--name", required=True, help="registered model name")
+    reg.add_argument("--description", default="")
+    reg.add_argument("--tag", action="append", type=_key_value, default=[], metavar="KEY=VALUE")
+    reg.set_defaults(handler=_register)
+    stage = _common(msub.add_parser("stage", help="move a version to None, Staging, Production or Archived"))
+    stage.add_argument("name")
+    stage.add_argument("version", type=int)
+    stage.add_argument("stage")
+    stage.add_argument("--archive-existing", action="store_true",
+                       help="archive the versions now in that stage (for Staging and Production)")
+    stage.set_defaults(handler=_stage)
+    alias = _common(msub.add_parser("alias", help="point an alias at a version (moves it if it exists)"))
+    alias.add_argument("name")
+    alias.add_argument("version", type=int)
+    alias.add_argument("alias")
+    alias.set_defaults(handler=_alias)
+    unalias = _common(msub.add_parser("unalias", help="delete an alias"))
+    unalias.add_argument("name")
+    unalias.add_argument("alias")
+    unalias.set_defaults(handler=_unalias)
+    tag = _common(msub.add_parser("tag", help="set a tag on a version (version 0: on the model)"))
+    tag.add_argument("name")
+    tag.add_argument("version", type=int)
+    tag.add_argument("tag", type=_key_value, metavar="KEY=VALUE")
+    tag.set_defaults(handler=_tag)
+    mirror = _common(msub.add_parser("mirror", help="copy a version into MLflow (needs mlscale[mlflow])"))
+    mirror.add_argument("uri", help="model URI")
+    mirror.add_argument("--mlflow-uri", required=True, help="MLflow tracking/registry URI, e.g. sqlite:///mlflow.db")
+    mirror.set_defaults(handler=_mirror)
+
+
+def add_export(sub: argparse._SubParsersAction) -> None:
+    p = _common(sub.add_parser("export", help="export a registered model (ONNX), checked against PyTorch",
+                               description="Exports with torch.onnx (dynamo), dynamic batch; checks outputs against "
+                               "PyTorch with onnxruntime on held-out inputs and stores model.onnx in the version."))
+    p.add_argument("uri", help="model URI, e.g. models:/digits/Production")
+    p.add_argument("--format", default="onnx", choices=["onnx"])
+    p.set_defaults(handler=_export)
+
+
+def _print_version(version: Any, as_json_: bool) -> int:
+    print(as_json(version.as_dict()) if as_json_ else f"{version.uri}  stage {version.stage}"
+          + (f"  aliases {', '.join(version.aliases)}" if version.aliases else ""))
+    return 0
+
+
+def _list(args: argparse.Namespace) -> int:
+    models = _registry(args).list_models()
+    if args.json:
+        print(as_json(models))
+    elif not models:
+        print("no registered models")
+    else:
+        print(table(["name", "latest", "stages", "aliases", "updated"], [
+            (m["name"], m["latest_version"], ", ".join(f"{s}: v{v}" for s, v in m["stages"].items()),
+             ", ".join(f"{a}: v{v}" for a, v in m["aliases"].items()), m["updated_at"][:19]) for m in models]))
+    return 0
+
+
+def _metric_text(metrics: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {v:.4g}" for k, v in (metrics.get("eval") or {}).items())
+
+
+def _show(args: argparse.Namespace) -> int:
+    registry = _registry(args)
+    if args.target.startswith("models:/"):
+        version = registry.resolve(args.target)
+        if args.json:
+            print(as_json(version.as_dict()))
+        else:
+            print(_lineage(version))
+        return 0
+    versions, history = registry.versions(args.target), registry.history(args.target)
+    if args.json:
+        print(as_json({"versions": [v.as_dict() for v in versions], "history": history}))
+        return 0
+    print(f"{args.target}\n")
+    print(table(["version", "stage", "aliases", "eval", "created", "by", "source run"], [
+        (v.version, v.stage, ", ".join(v.aliases), _metric_text(v.metrics), v.created_at[:19], v.created_by,
+         v.source_run) for v in versions]))
+    print("\nhistory\n")
+    print(table(["at", "who", "version", "action", "from", "to"], [
+        (h["at"][:23], h["who"], h["version"], h["action"], h["from_value"], h["to_value"]) for h in history]))
+    return 0
+
+
+def _lineage(version: Any) -> str:
+    config, code = version.config, version.code_version
+    signature = version.signature
+    sig = " -> ".join(", ".join(f"{t['name']} {t['datatype']} {t['shape']}" for t in signature[side])
+                      for side in ("inputs", "outputs"))
+    artifacts = []
+    for a in version.artifacts.values():
+        text = f"{a.name} ({a.size_bytes / 1e3:,.0f} kB, sha256 {a.sha256[:12]}...)"
+        parity = a.info.get("parity")
+        if parity:
+            text += f" ONNX parity: max abs {parity['max_abs_err']:.2g}, max rel {parity['max_rel_err']:.2g}"
+        artifacts.append(text)
+    git = code.get("git_commit")
+    rows = [
+        ("uri", version.uri), ("stage", version.stage), ("aliases", ", ".join(version.aliases) or "-"),
+        ("description", version.description or "-"), ("created", f"{version.created_at} by {version.created_by}"),
+        ("source run", version.source_run or "-"),
+        ("task", f"{config['task']} {config.get('task_options') or ''}".strip()),
+        ("training", f"{config['strategy']}, {config['workers']} worker(s), batch {config['batch_size']}/worker, "
+                     f"lr {config['lr']}, seed {config['seed']}, {config['dtype']}, {config['precision']}"),
+        ("metrics", _metric_text(version.metrics) or "-"),
+        ("data", version.data_fingerprint or "-"),
+        ("code", f"mlscale {code.get('mlscale', '?')}"
+                 + (f", git {git[:12]}{' (with local changes)' if code.get('git_dirty') else ''}" if git else "")),
+        ("signature", sig),
+        ("artifacts", "\n".ljust(14).join(artifacts)),
+        ("tags", ", ".join(f"{k}={v}" for k, v in version.tags.items()) or "-"),
+    ]
+    return pairs(rows)
+
+
+def _register(args: argparse.Namespace) -> int:
+    from mlscale.registry import register_run
+
+    version = register_run(_registry(args), args.run_dir, args.name, description=args.description,
+                           tags=dict(args.tag))
+    return _print_version(version, args.json)
+
+
+def _stage(args: argparse.Namespace) -> int:
+    version = _registry(args).set_stage(args.name, args.version, args.stage, archive_existing=args.archive_existing)
+    return _print_version(version, args.json)
+
+
+def _alias(args: argparse.Namespace) -> int:
+    return _print_version(_registry(args).set_alias(args.name, args.version, args.alias), args.json)
+
+
+def _unalias(args: argparse.Namespace) -> int:
+    _registry(args).delete_alias(args.name, args.alias)
+    print(as_json({"deleted": args.alias}) if args.json else f"deleted alias {args.alias} of {args.name}")
+    return 0
+
+
+def _tag(args: argparse.Namespace) -> int:
+    key, value = args.tag
+    _registry(args).set_tag(args.name, args.version or None, key, value)
+    print(as_json({key: value}) if args.json else f"{args.name} v{args.version}: {key}={value}")
+    return 0
+
+
+def _mirror(args: argparse.Namespace) -> int:
+    from mlscale.registry.mlflow_mirror import mirror_version
+
+    registry = _registry(args)
+    result = mirror_version(registry, registry.resolve(args.uri), args.mlflow_uri)
+    print(as_json(result) if args.json else f"mirrored to MLflow: model {result['name']} version {result['version']} "
+          f"(run {result['run_id']})")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from mlscale.export import export_version
+
+    artifact, parity = export_version(_registry(args), args.uri)
+    if args.json:
+        print(as_json({"artifact": artifact.__dict__, "parity": parity.__dict__}))
+    else:
+        check = (f"max abs error {parity.max_abs_err:.3g}, max rel error {parity.max_rel_err:.3g} on "
+                 f"{parity.samples} held-out inputs, batches {parity.batch_sizes} "
+                 f"(rtol {parity.rtol:g}, atol {parity.atol:g})")
+        print(pairs([("stored", artifact.key), ("sha256", artifact.sha256), ("parity", check)]))
+    return 0
