@@ -128,6 +128,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                              description=checkpoint.__doc__.split("\n\n")[1] if checkpoint.__doc__ else None)
     checkpoint.add_arguments(c)
     c.set_defaults(handler=lambda args: _bench("checkpoint", args))
+    from mlscale.bench import export
+
+    e = bench_sub.add_parser("export", help="inference latency, onnxruntime vs eager torch, digits models",
+                             description=export.__doc__.split("\n\n")[1] if export.__doc__ else None)
+    export.add_arguments(e)
+    e.set_defaults(handler=lambda args: _bench("export", args))
 
 
 def _bench(what: str, args: argparse.Namespace) -> int:
