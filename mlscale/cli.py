@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from mlscale.cli_models import add_export, add_models, add_registry_option
+from mlscale.cli_serve import add_serve
 from mlscale.errors import MlscaleError, UsageError
 
 EXAMPLES = """examples:
@@ -150,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     add_models(sub)
     add_export(sub)
+    add_serve(sub)
     _add_bench(sub)
     return parser
 

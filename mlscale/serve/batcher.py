@@ -1,0 +1,222 @@
+"""Dynamic batching with a bounded queue, deadlines and an SLO-aware batch size.
+
+Requests queue per model version. A request that finds the model idle is dispatched at once; requests
+that arrive while a batch runs wait for it to finish, then for at most ``max_delay`` from the oldest
+arrival, and go as one batch of up to the target size. With an SLO, the target is the largest batch
+whose predicted cost fits in half the SLO, from a cost model ``cost(n) = a*n + b`` fitted online to the
+measured batch times; a request whose predicted completion would miss the SLO is refused at once
+(``Overloaded``) instead of queued. A failing batch is retried one request at a time, so one bad
+request fails alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mlscale.serve.metrics import ServerMetrics
+from mlscale.serve.runtime import Runtime
+
+
+class Overloaded(Exception):
+    """The queue is full or the request could not finish within the SLO: answer 503 now."""
+
+
+class DeadlineExceeded(Exception):
+    """The request waited longer than its timeout: answer 504."""
+
+
+@dataclass
+class _Pending:
+    array: np.ndarray
+    future: asyncio.Future[np.ndarray]
+    arrival: float
+    deadline: float
+
+    @property
+    def rows(self) -> int:
+        return len(self.array)
+
+
+@dataclass
+class CostModel:
+    """Least squares of batch time on batch size with exponential forgetting (recent batches count most)."""
+
+    decay: float = 0.98
+    _s: list[float] = field(default_factory=lambda: [0.0] * 5)  # sum w, w*n, w*t, w*n*n, w*n*t
+
+    def observe(self, rows: int, seconds: float) -> None:
+        self._s = [x * self.decay for x in self._s]
+        for i, value in enumerate((1.0, rows, seconds, rows * rows, rows * seconds)):
+            self._s[i] += value
+
+    def coefficients(self) -> tuple[float, float] | None:
+        w, wn, wt, wnn, wnt = self._s
+        if w < 3:
+            return None
+        var = wnn / w - (wn / w) ** 2
+        if var < 1e-9:
+            return 0.0, wt / w
+        slope = max(0.0, (wnt / w - (wn / w) * (wt / w)) / var)
+        return slope, max(0.0, wt / w - slope * wn / w)
+
+    def cost(self, rows: int) -> float | None:
+        found = self.coefficients()
+        return None if found is None else found[0] * rows + found[1]
+
+
+class DynamicBatcher:
+    def __init__(self, runtime: Runtime, *, labels: tuple[str, str], metrics: ServerMetrics, max_batch_size: int,
+                 max_delay_s: float, queue_limit: int, slo_s: float | None, timeout_s: float) -> None:
+        self.runtime, self.labels, self.metrics = runtime, labels, metrics
+        self.max_batch_size, self.max_delay_s = max_batch_size, max_delay_s
+        self.queue_limit, self.slo_s, self.timeout_s = queue_limit, slo_s, timeout_s
+        self.cost_model = CostModel()
+        self.executions = 0
+        self._queue: deque[_Pending] = deque()
+        self._queued_rows = 0
+        self._arrived = asyncio.Event()
+        self._busy_until: float | None = None
+        self._closing = False
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"infer-{labels[0]}-{labels[1]}")
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    # -- admission -----------------------------------------------------------------------------
+    def batch_target(self) -> int:
+        if self.slo_s is None:
+            return self.max_batch_size
+        found = self.cost_model.coefficients()
+        if found is None:
+            return self.max_batch_size
+        slope, intercept = found
+        budget = self.slo_s / 2
+        if slope <= 0:
+            return self.max_batch_size
+        return int(max(1, min(self.max_batch_size, (budget - intercept) // slope)))
+
+    def predicted_latency(self, rows: int) -> float | None:
+        target = self.batch_target()
+        cost = self.cost_model.cost(target)
+        if cost is None:
+            return None
+        batches_ahead = math.ceil((self._queued_rows + rows) / target)
+        running = max(0.0, (self._busy_until or 0.0) - time.perf_counter())
+        return running + batches_ahead * cost
+
+    async def submit(self, array: np.ndarray) -> np.ndarray:
+        if self._closing:
+            raise Overloaded("model version is being replaced")
+        if len(self._queue) >= self.queue_limit:
+            raise Overloaded(f"queue full ({self.queue_limit} requests)")
+        if self.slo_s is not None:
+            predicted = self.predicted_latency(len(array))
+            if predicted is not None and predicted > self.slo_s:
+                raise Overloaded(f"would finish in ~{predicted * 1e3:.0f} ms, past the {self.slo_s * 1e3:.0f} ms SLO")
+        now = time.perf_counter()
+        pending = _Pending(array, asyncio.get_running_loop().create_future(), now, now + self.timeout_s)
+        self._queue.append(pending)
+        self._queued_rows += pending.rows
+        self.metrics.queue_depth.labels(*self.labels).set(len(self._queue))
+        self._arrived.set()
+        return await pending.future
+
+    # -- the loop ------------------------------------------------------------------------------
+    async def _loop(self) -> None:
+        while not (self._closing and not self._queue):
+            if not self._queue:
+                self._arrived.clear()
+                await self._arrived.wait()  # idle: the first arrival goes at once
+                if not self._queue:
+                    continue
+            else:
+                await self._gather_more()
+            batch = self._take_batch()
+            if batch:
+                await self._execute(batch)
+        self._executor.shutdown(wait=False)
+
+    async def _gather_more(self) -> None:
+        target, give_up = self.batch_target(), self._queue[0].arrival + self.max_delay_s
+        while self._queued_rows < target and not self._closing:
+            left = give_up - time.perf_counter()
+            if left <= 0:
+                return
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), timeout=left)
+            except TimeoutError:
+                return
+
+    def _take_batch(self) -> list[_Pending]:
+        target, now, batch, rows = self.batch_target(), time.perf_counter(), [], 0
+        self.metrics.batch_target.labels(*self.labels).set(target)
+        while self._queue and (not batch or rows + self._queue[0].rows <= target):
+            pending = self._queue.popleft()
+            self._queued_rows -= pending.rows
+            if pending.future.done():  # the client went away
+                continue
+            if now > pending.deadline:
+                pending.future.set_exception(DeadlineExceeded(f"waited {now - pending.arrival:.3f} s in the queue"))
+                continue
+            self.metrics.queue_duration.labels(*self.labels).observe(now - pending.arrival)
+            batch.append(pending)
+            rows += pending.rows
+        self.metrics.queue_depth.labels(*self.labels).set(len(self._queue))
+        return batch
+
+    async def _run(self, array: np.ndarray) -> np.ndarray:
+        loop = asyncio.get_running_loop()
+        start = time.perf_counter()
+        self._busy_until = start + (self.cost_model.cost(len(array)) or 0.0)
+        try:
+            output = await loop.run_in_executor(self._executor, self.runtime.run, array)
+        finally:
+            self._busy_until = None
+        elapsed = time.perf_counter() - start
+        self.cost_model.observe(len(array), elapsed)
+        self.executions += 1
+        self.metrics.exec_count.labels(*self.labels).inc()
+        self.metrics.compute_duration.labels(*self.labels).observe(elapsed)
+        self.metrics.batch_size.labels(*self.labels).observe(len(array))
+        self.metrics.inference_count.labels(*self.labels).inc(len(array))
+        return output
+
+    async def _execute(self, batch: list[_Pending]) -> None:
+        try:
+            arrays = [p.array for p in batch]
+            output = await self._run(arrays[0] if len(arrays) == 1 else np.concatenate(arrays))
+        except Exception as exc:
+            if len(batch) == 1:
+                _resolve(batch[0], exc=exc)
+                return
+            for pending in batch:  # isolate the bad request: its batch-mates still get answers
+                try:
+                    _resolve(pending, value=await self._run(pending.array))
+                except Exception as single_exc:
+                    _resolve(pending, exc=single_exc)
+            return
+        start = 0
+        for pending in batch:
+            _resolve(pending, value=output[start:start + pending.rows])
+            start += pending.rows
+
+    async def close(self) -> None:
+        """Finish what is queued, then stop (the drain of a replaced version)."""
+        self._closing = True
+        self._arrived.set()
+        await self._task
+
+
+def _resolve(pending: _Pending, value: np.ndarray | None = None, exc: BaseException | None = None) -> None:
+    if pending.future.done():
+        return
+    if exc is not None:
+        pending.future.set_exception(exc)
+    else:
+        pending.future.set_result(value)

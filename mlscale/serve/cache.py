@@ -1,0 +1,86 @@
+"""The response cache: keyed by model content + canonical input + parameters, bounded in bytes, LRU,
+successes only, with concurrent identical misses coalesced into one model call.
+
+The key uses the decoded input (dtype, shape and bytes of the array the model would see, with -0.0
+made 0.0), not the request's JSON, so ``1``, ``1.0`` and ``1e0`` are one entry; it includes the
+model version's content identity (the SHA-256 of its artifact), so a new version can never be answered
+from the old one's entries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+
+
+def cache_key(content_id: str, array: np.ndarray, params: dict[str, Any] | None = None) -> bytes:
+    canonical = np.ascontiguousarray(array)
+    if canonical.dtype.kind == "f":
+        canonical = canonical + canonical.dtype.type(0)  # -0.0 -> 0.0
+    digest = hashlib.sha256()
+    digest.update(content_id.encode())
+    digest.update(f"|{canonical.dtype.str}|{canonical.shape}|".encode())
+    digest.update(canonical.tobytes())
+    digest.update(json.dumps(params or {}, sort_keys=True, default=str).encode())
+    return digest.digest()
+
+
+class ResponseCache:
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._entries: OrderedDict[bytes, np.ndarray] = OrderedDict()
+        self._inflight: dict[bytes, asyncio.Future[np.ndarray]] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_bytes > 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, key: bytes) -> np.ndarray | None:
+        value = self._entries.get(key)
+        if value is not None:
+            self._entries.move_to_end(key)
+        return value
+
+    def put(self, key: bytes, value: np.ndarray) -> None:
+        size = value.nbytes + len(key) + 64
+        if not self.enabled or size > self.max_bytes:
+            return
+        if key in self._entries:
+            self.bytes -= self._entries.pop(key).nbytes + len(key) + 64
+        self._entries[key] = value
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            old_key, old = self._entries.popitem(last=False)
+            self.bytes -= old.nbytes + len(old_key) + 64
+
+    async def get_or_compute(self, key: bytes, compute: Callable[[], Awaitable[np.ndarray]]) -> tuple[np.ndarray, str]:
+        """(value, how): how is ``hit``, ``coalesced`` (waited for an identical miss) or ``miss``."""
+        value = self.get(key)
+        if value is not None:
+            return value, "hit"
+        pending = self._inflight.get(key)
+        if pending is not None:
+            return await asyncio.shield(pending), "coalesced"
+        future: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
+        self._inflight[key] = future
+        try:
+            value = await compute()
+        except BaseException as exc:
+            future.set_exception(exc)
+            future.exception()  # retrieved: waiters get it, nobody else should warn
+            raise
+        finally:
+            self._inflight.pop(key, None)
+        future.set_result(value)
+        self.put(key, value)
+        return value, "miss"

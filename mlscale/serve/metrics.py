@@ -1,0 +1,48 @@
+"""Prometheus metrics, named after Triton's where Triton has one (``nv_`` becomes ``mlscale_``)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+
+disable_created_metrics()  # the *_created series only double the output
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        labels = ("model", "version")
+        r = self.registry
+        self.request_success = Counter("mlscale_inference_request_success", "Successful inference requests",
+                                       labels, registry=r)
+        self.request_failure = Counter("mlscale_inference_request_failure", "Failed inference requests",
+                                       (*labels, "reason"), registry=r)
+        self.inference_count = Counter("mlscale_inference_count", "Inferences performed (rows, not requests)",
+                                       labels, registry=r)
+        self.exec_count = Counter("mlscale_inference_exec_count", "Model executions (batches)", labels, registry=r)
+        self.request_duration = Histogram("mlscale_inference_request_duration_seconds",
+                                          "End-to-end request time in the server", labels,
+                                          buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_duration = Histogram("mlscale_inference_queue_duration_seconds", "Time waiting in the queue",
+                                        labels, buckets=LATENCY_BUCKETS, registry=r)
+        self.compute_duration = Histogram("mlscale_inference_compute_infer_duration_seconds",
+                                          "Model execution time per batch", labels, buckets=LATENCY_BUCKETS,
+                                          registry=r)
+        self.batch_size = Histogram("mlscale_inference_batch_size", "Rows per executed batch", labels,
+                                    buckets=BATCH_BUCKETS, registry=r)
+        self.cache_hits = Counter("mlscale_cache_num_hits_per_model", "Response cache hits", labels, registry=r)
+        self.cache_misses = Counter("mlscale_cache_num_misses_per_model", "Response cache misses", labels,
+                                    registry=r)
+        self.cache_coalesced = Counter("mlscale_cache_num_coalesced_per_model",
+                                       "Requests answered by an identical in-flight miss", labels, registry=r)
+        self.cache_bytes = Gauge("mlscale_cache_bytes", "Bytes held by the response cache", registry=r)
+        self.queue_depth = Gauge("mlscale_inference_pending_request_count", "Requests waiting in the queue", labels,
+                                 registry=r)
+        self.batch_target = Gauge("mlscale_batch_target", "Batch size the SLO controller aims for", labels,
+                                  registry=r)
+        self.model_loaded = Gauge("mlscale_model_loaded", "1 for each loaded model version", labels, registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

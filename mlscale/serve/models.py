@@ -1,0 +1,110 @@
+"""The models a server holds: one ``ServedModel`` per loaded version, one ``ModelSlot`` per URI.
+
+A slot that follows an alias or a stage (``models:/digits@production``) polls the registry; when the
+URI points to another version, the new version is loaded and warmed up in the background, then swapped
+in with one assignment: requests that arrived before keep their version (its queue drains), requests
+after get the new one, and none fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from mlscale.registry import ModelVersion, Registry, parse_uri
+from mlscale.serve.batcher import DynamicBatcher
+from mlscale.serve.metrics import ServerMetrics
+from mlscale.serve.runtime import Runtime, TensorSpec, load_runtime
+
+log = logging.getLogger("mlscale.serve")
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    max_batch_size: int = 64
+    max_delay_ms: float = 2.0
+    queue_limit: int = 256
+    slo_ms: float | None = None
+    timeout_ms: float = 10_000
+    runtime: str = "auto"
+    threads: int = 1
+    cache_mb: float = 64.0
+    reload_interval_s: float = 2.0
+
+
+class ServedModel:
+    """One loaded version: its runtime, its batcher and what clients may send it."""
+
+    def __init__(self, version: ModelVersion, runtime: Runtime, options: ServeOptions,
+                 metrics: ServerMetrics) -> None:
+        self.version, self.runtime = version, runtime
+        self.name, self.number = version.name, version.version
+        signature = version.signature
+        self.input = TensorSpec(signature["inputs"][0]["name"], signature["inputs"][0]["datatype"],
+                                tuple(signature["inputs"][0]["shape"]))
+        self.output = TensorSpec(signature["outputs"][0]["name"], signature["outputs"][0]["datatype"],
+                                 tuple(signature["outputs"][0]["shape"]))
+        artifact = version.artifacts.get("model.onnx" if runtime.kind == "onnx" else "model.safetensors")
+        self.content_id = f"{runtime.kind}:{artifact.sha256 if artifact else version.uri}"
+        self.labels = (self.name, str(self.number))
+        self.batcher = DynamicBatcher(runtime, labels=self.labels, metrics=metrics,
+                                      max_batch_size=options.max_batch_size, max_delay_s=options.max_delay_ms / 1e3,
+                                      queue_limit=options.queue_limit,
+                                      slo_s=options.slo_ms / 1e3 if options.slo_ms else None,
+                                      timeout_s=options.timeout_ms / 1e3)
+        metrics.model_loaded.labels(*self.labels).set(1)
+
+    def warm_up(self) -> None:
+        shape = [1 if d == -1 else d for d in self.input.shape]
+        self.runtime.run(np.zeros(shape, dtype=self.input.dtype))
+
+
+class ModelSlot:
+    def __init__(self, uri: str, registry: Registry, options: ServeOptions, metrics: ServerMetrics) -> None:
+        self.uri, self.parsed = uri, parse_uri(uri)
+        self.registry, self.options, self.metrics = registry, options, metrics
+        self.current: ServedModel | None = None
+        self.follows = self.parsed.version is None
+
+    @property
+    def name(self) -> str:
+        return self.parsed.name
+
+    def _load(self, version: ModelVersion) -> tuple[Runtime, ModelVersion]:
+        runtime = load_runtime(self.registry, version, self.options.runtime, self.options.threads)
+        return runtime, version
+
+    async def load(self) -> None:
+        version = await asyncio.to_thread(self.registry.resolve, self.uri)
+        runtime, version = await asyncio.to_thread(self._load, version)
+        served = ServedModel(version, runtime, self.options, self.metrics)
+        await asyncio.to_thread(served.warm_up)
+        self.current = served
+
+    async def reload_if_moved(self) -> bool:
+        """Swap in the version the URI points to now, if it moved. True when swapped."""
+        version = await asyncio.to_thread(self.registry.resolve, self.uri)
+        old = self.current
+        if old is not None and version.version == old.number:
+            return False
+        runtime, version = await asyncio.to_thread(self._load, version)
+        served = ServedModel(version, runtime, self.options, self.metrics)
+        await asyncio.to_thread(served.warm_up)
+        self.current = served  # the swap: one assignment, new requests see the new version from here on
+        log.warning("%s moved: now serving version %s", self.uri, served.number)
+        if old is not None:
+            await old.batcher.close()  # drain what the old version had queued
+            self.metrics.model_loaded.labels(*old.labels).set(0)
+        return True
+
+    async def follow(self) -> None:
+        while self.follows:
+            await asyncio.sleep(self.options.reload_interval_s)
+            try:
+                await self.reload_if_moved()
+            except Exception as exc:  # a registry hiccup must not stop serving the current version
+                log.warning("reload of %s failed, still serving version %s: %s", self.uri,
+                            self.current.number if self.current else "?", exc)
