@@ -76,11 +76,13 @@ def init_distributed(device_preference: str = "auto", timeout_s: float = 300.0) 
     return DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=device, attempt=attempt)
 
 
-def shutdown_distributed() -> None:
+def shutdown_distributed(destroy: bool = True) -> None:
+    """Wait for every rank; then destroy the group, unless the process is about to exit anyway."""
     if dist.is_initialized():
         # A barrier first: destroying the group while a peer still talks to it aborts on gloo.
         dist.barrier()
-        dist.destroy_process_group()
+        if destroy:
+            dist.destroy_process_group()
 
 
 def all_gather_floats(env: DistEnv, values: list[float]) -> list[list[float]]:

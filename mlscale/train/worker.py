@@ -20,11 +20,11 @@ from mlscale.train.rundir import RunDir
 from mlscale.train.trainer import Trainer
 
 
-def run_worker(config: TrainConfig, run_dir: RunDir) -> dict[str, Any]:
+def run_worker(config: TrainConfig, run_dir: RunDir, destroy_group: bool = True) -> dict[str, Any]:
     """Join the group, train, leave. Returns the report on rank 0 and ``{}`` elsewhere."""
     env = init_distributed(config.device, config.collective_timeout_s)
     report = Trainer(config, env, run_dir).run()
-    shutdown_distributed()
+    shutdown_distributed(destroy=destroy_group)
     return report
 
 
@@ -44,13 +44,18 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = RunDir(args[0])
     rank = int(os.environ.get("RANK", 0))
     try:
-        run_worker(TrainConfig(**run_dir.read_config()), run_dir)
+        run_worker(TrainConfig(**run_dir.read_config()), run_dir, destroy_group=False)
     except BaseException as exc:  # reported to the agent, then exit 1
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
         save_traceback(run_dir, rank, exc)
         ErrorHandler().record_exception(exc)
         return 1
-    return 0
+    # Measured here (torch 2.13, gloo, 3 workers on 2 busy cores): about 1 run in 15 aborted at exit
+    # with "terminate called without an active exception" while the process group was torn down. All
+    # work is on disk and every rank has passed the final barrier, so the worker leaves at once.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 

@@ -1,0 +1,165 @@
+"""The dynamic batcher and the response cache, driven directly with small runtimes."""
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from mlscale.serve.batcher import DynamicBatcher, Overloaded
+from mlscale.serve.cache import ResponseCache, cache_key
+from mlscale.serve.metrics import ServerMetrics
+
+
+class Doubler:
+    """Returns 2x its input; raises on any row holding -1 (a request the model cannot handle)."""
+
+    kind = "test"
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.delay_s, self.batches = delay_s, []
+
+    def run(self, batch: np.ndarray) -> np.ndarray:
+        self.batches.append(len(batch))
+        time.sleep(self.delay_s)
+        if (batch == -1).any():
+            raise ValueError("cannot handle -1")
+        return batch * 2
+
+
+def make(runtime, **overrides):
+    options = dict(labels=("m", "1"), metrics=ServerMetrics(), max_batch_size=8, max_delay_s=0.002, queue_limit=64,
+                   slo_s=None, timeout_s=10.0)
+    options.update(overrides)
+    return DynamicBatcher(runtime, **options)
+
+
+def rows(*values):
+    return np.array([[v, v] for v in values], dtype=np.float32)
+
+
+def test_concurrent_requests_are_batched_and_each_gets_its_own_rows():
+    async def scenario():
+        runtime = Doubler(delay_s=0.01)
+        batcher = make(runtime)
+        results = await asyncio.gather(*(batcher.submit(rows(i)) for i in range(20)))
+        await batcher.close()
+        return runtime, results
+
+    runtime, results = asyncio.run(scenario())
+    assert [r.tolist() for r in results] == [[[2.0 * i] * 2] for i in range(20)]
+    assert len(runtime.batches) < 20 and max(runtime.batches) <= 8
+
+
+def test_a_lone_request_on_an_idle_server_is_not_held_back_by_the_delay():
+    async def scenario():
+        batcher = make(Doubler(), max_delay_s=1.0)
+        await batcher.submit(rows(1))  # warm
+        start = time.perf_counter()
+        await batcher.submit(rows(2))
+        elapsed = time.perf_counter() - start
+        await batcher.close()
+        return elapsed
+
+    assert asyncio.run(scenario()) < 0.1
+
+
+def test_one_bad_request_fails_alone_and_its_batch_mates_get_answers():
+    async def scenario():
+        runtime = Doubler(delay_s=0.02)
+        batcher = make(runtime)
+        blocker = asyncio.ensure_future(batcher.submit(rows(0)))  # keeps the model busy so the rest batch up
+        await asyncio.sleep(0.005)
+        results = await asyncio.gather(*(batcher.submit(rows(v)) for v in (1, -1, 3)), return_exceptions=True)
+        await blocker
+        await batcher.close()
+        return runtime, results
+
+    runtime, results = asyncio.run(scenario())
+    assert results[0].tolist() == [[2.0, 2.0]] and results[2].tolist() == [[6.0, 6.0]]
+    assert isinstance(results[1], ValueError)
+    assert 3 in runtime.batches  # they really were one batch before the isolation retry
+
+
+def test_a_full_queue_refuses_at_once():
+    async def scenario():
+        batcher = make(Doubler(delay_s=0.2), queue_limit=2, max_batch_size=1)
+        first = asyncio.ensure_future(batcher.submit(rows(0)))
+        await asyncio.sleep(0.01)  # first is running; the next two queue
+        queued = [asyncio.ensure_future(batcher.submit(rows(i))) for i in (1, 2)]
+        await asyncio.sleep(0)
+        start = time.perf_counter()
+        with pytest.raises(Overloaded, match="queue full"):
+            await batcher.submit(rows(3))
+        refused_in = time.perf_counter() - start
+        await asyncio.gather(first, *queued)
+        await batcher.close()
+        return refused_in
+
+    assert asyncio.run(scenario()) < 0.005
+
+
+def test_with_an_slo_the_batch_size_adapts_to_the_measured_cost_and_late_requests_are_refused():
+    async def scenario():
+        runtime = Doubler(delay_s=0.004)  # ~4 ms a batch whatever its size... plus per-row cost below
+        batcher = make(runtime, max_batch_size=64, slo_s=0.05)
+        for n in (1, 4, 16, 32, 8, 2):
+            await batcher.submit(np.ones((n, 2), dtype=np.float32))
+        target = batcher.batch_target()
+        refused = 0
+        tasks = [asyncio.ensure_future(batcher.submit(rows(i))) for i in range(400)]
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        refused = sum(isinstance(r, Overloaded) for r in results)
+        await batcher.close()
+        return target, refused
+
+    target, refused = asyncio.run(scenario())
+    assert 1 <= target <= 64
+    assert refused > 0  # 400 requests at once cannot all finish within 50 ms
+
+
+def test_cache_keys_use_the_decoded_input_and_the_model_content():
+    a = np.array([[1, 0.0]], dtype=np.float32)
+    b = np.array([[1.0, -0.0]], dtype=np.float32)
+    assert cache_key("v1", a) == cache_key("v1", b)
+    assert cache_key("v1", a) != cache_key("v2", a)
+    assert cache_key("v1", a) != cache_key("v1", a.astype(np.float64))
+    assert cache_key("v1", a, {"p": 1}) != cache_key("v1", a)
+
+
+def test_cache_is_lru_and_bounded_in_bytes():
+    cache = ResponseCache(max_bytes=3 * (400 + 32 + 64))
+    for i in range(5):
+        cache.put(bytes([i]) * 32, np.zeros(100, dtype=np.float32))
+    assert len(cache) == 3 and cache.bytes <= cache.max_bytes
+    assert cache.get(bytes([0]) * 32) is None and cache.get(bytes([4]) * 32) is not None
+
+
+def test_identical_concurrent_misses_run_the_model_once():
+    async def scenario():
+        runtime = Doubler(delay_s=0.05)
+        batcher = make(runtime)
+        cache = ResponseCache(1 << 20)
+        key = cache_key("v1", rows(7))
+        outcomes = await asyncio.gather(*(cache.get_or_compute(key, lambda: batcher.submit(rows(7)))
+                                          for _ in range(100)))
+        await batcher.close()
+        return runtime, outcomes
+
+    runtime, outcomes = asyncio.run(scenario())
+    assert sum(runtime.batches) == 1
+    hows = [how for _, how in outcomes]
+    assert hows.count("miss") == 1 and hows.count("coalesced") == 99
+
+
+def test_failures_are_not_cached():
+    async def scenario():
+        batcher = make(Doubler())
+        cache = ResponseCache(1 << 20)
+        key = cache_key("v1", rows(-1))
+        with pytest.raises(ValueError):
+            await cache.get_or_compute(key, lambda: batcher.submit(rows(-1)))
+        await batcher.close()
+        return cache
+
+    assert len(asyncio.run(scenario())) == 0
