@@ -135,6 +135,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
                              description=export.__doc__.split("\n\n")[1] if export.__doc__ else None)
     export.add_arguments(e)
     e.set_defaults(handler=lambda args: _bench("export", args))
+    from mlscale.bench import serve
+
+    v = bench_sub.add_parser("serve", help="serving goodput at an SLO vs LitServe, FastAPI and offline",
+                             description=serve.__doc__.split("\n\n")[1] if serve.__doc__ else None)
+    serve.add_arguments(v)
+    v.set_defaults(handler=lambda args: _bench("serve", args))
 
 
 def _bench(what: str, args: argparse.Namespace) -> int:

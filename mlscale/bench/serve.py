@@ -1,0 +1,342 @@
+"""``mlscale bench serve``: goodput at an SLO, side by side with LitServe, a plain FastAPI endpoint and
+the offline batched ceiling, on two models.
+
+Each server runs in its own process pinned to CPU 0; the open-loop Poisson load generator
+(``loadgen.py``) runs pinned to CPU 1. For each server the offered rate doubles until a trial fails,
+then is bisected; goodput is the highest rate whose trial had p99 <= SLO, < 0.1% errors and a generator
+that kept up. Every trial is a point of the latency-throughput curve. The cache-hit check compares
+p50 of repeated identical requests to mlscale with a no-op JSON endpoint at the same rate; the
+overload check offers 2x mlscale's goodput and reports the p99 of the admitted requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mlscale.bench.machine import machine_info
+
+SERVER_CPU, LOADGEN_CPU = 0, 1
+MODELS = {
+    "digits-mlp": {"task": "digits", "options": {}, "steps": 50},
+    "mlp-2048x3": {"task": "synthetic", "options": {"samples": 1024, "features": 64, "width": 2048, "depth": 3},
+                   "steps": 2},
+}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default="bench/results/serve", help="folder for serve.json and serve.png")
+    p.add_argument("--slo-ms", type=float, default=50.0, help="p99 latency objective (default 50)")
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {', '.join(MODELS)}")
+    p.add_argument("--systems", default="mlscale,litserve,fastapi", help="servers to compare")
+    p.add_argument("--duration-s", type=float, default=3.0, help="measured seconds per trial (default 3)")
+    p.add_argument("--warmup-s", type=float, default=1.0, help="discarded seconds per trial (default 1)")
+    p.add_argument("--bisect", type=int, default=4, help="bisection steps after the first failure (default 4)")
+    p.add_argument("--start-rate", type=float, default=100.0, help="first offered rate, requests/s (default 100)")
+    p.add_argument("--max-batch-size", type=int, default=64)
+    p.add_argument("--max-delay-ms", type=float, default=2.0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _pin_server() -> None:
+    if hasattr(os, "sched_setaffinity") and SERVER_CPU in os.sched_getaffinity(0):
+        os.sched_setaffinity(0, {SERVER_CPU})
+
+
+@dataclass
+class Server:
+    name: str
+    process: subprocess.Popen[bytes]
+    port: int
+    path: str
+    bodies: list[str]
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+
+
+def prepare_models(scratch: Path, names: list[str]) -> dict[str, dict[str, Any]]:
+    """Train briefly, register and export each model once; returns URIs, ONNX paths and sample rows."""
+    from mlscale import TrainConfig, fit
+    from mlscale.export import export_version
+    from mlscale.registry import Registry, register_run
+    from mlscale.registry.models import task_of
+
+    registry_dir = str(scratch / "registry")
+    registry = Registry(registry_dir)
+    prepared = {}
+    for name in names:
+        spec = MODELS[name]
+        fit(TrainConfig(task=spec["task"], task_options=spec["options"], steps=spec["steps"],
+                        run_dir=str(scratch / f"run-{name}")))
+        version = register_run(registry, scratch / f"run-{name}", name)
+        export_version(registry, version.uri)
+        version = registry.resolve(version.uri)
+        rows = task_of(version.config).eval.inputs[:200].numpy()
+        prepared[name] = {"uri": version.uri, "registry": registry_dir, "rows": rows,
+                          "onnx": str(registry.artifact_path(version, "model.onnx"))}
+    return prepared
+
+
+def v2_body(row: np.ndarray) -> str:
+    return json.dumps({"inputs": [{"name": "input", "shape": [1, len(row)], "datatype": "FP32",
+                                   "data": [float(x) for x in row]}]})
+
+
+def start_server(kind: str, model: dict[str, Any], args: argparse.Namespace, *, cache_mb: float = 0.0,
+                 slo_ms: float | None = None) -> Server:
+    port = _free_port()
+    rows = model["rows"]
+    if kind == "mlscale":
+        command = [sys.executable, "-m", "mlscale", "serve", model["uri"], "--registry", model["registry"],
+                   "--port", str(port), "--max-batch-size", str(args.max_batch_size), "--max-delay-ms",
+                   str(args.max_delay_ms), "--cache-mb", str(cache_mb), "--queue-limit", "4096", "--threads", "1"]
+        if slo_ms:
+            command += ["--slo-ms", str(slo_ms)]
+        name = model["uri"].split("/")[1]
+        path, bodies = f"/v2/models/{name}/infer", [v2_body(r) for r in rows]
+    elif kind in ("litserve", "fastapi"):
+        command = [sys.executable, "-m", "mlscale.bench.anchors", kind, model["onnx"], str(port)]
+        if kind == "litserve":
+            command += [str(args.max_batch_size), str(args.max_delay_ms / 1e3)]
+        path, bodies = "/predict", [json.dumps({"input": [float(x) for x in r]}) for r in rows]
+    else:
+        command = [sys.executable, "-m", "mlscale.bench.anchors", "noop", "-", str(port)]
+        path, bodies = "/noop", [v2_body(r) for r in rows]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+                               preexec_fn=_pin_server)
+    server = Server(kind, process, port, path, bodies)
+    _wait_ready(server)
+    return server
+
+
+def _wait_ready(server: Server, timeout: float = 120) -> None:
+    import http.client
+
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if server.process.poll() is not None:
+            raise RuntimeError(f"{server.name} server exited with {server.process.returncode}")
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
+            conn.request("POST", server.path, body=server.bodies[0], headers={"Content-Type": "application/json"})
+            first = conn.getresponse()
+            first.read()
+            if first.status == 200:
+                for body in server.bodies[:50]:  # warm up
+                    conn.request("POST", server.path, body=body, headers={"Content-Type": "application/json"})
+                    conn.getresponse().read()
+                return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{server.name} server did not answer within {timeout} s")
+
+
+def trial(server: Server, rate: float, args: argparse.Namespace, bodies: list[str] | None = None) -> dict[str, Any]:
+    config = {"host": "127.0.0.1", "port": server.port, "path": server.path, "bodies": bodies or server.bodies,
+              "rate": rate, "duration_s": args.duration_s, "warmup_s": args.warmup_s, "cpu": LOADGEN_CPU,
+              "connections": 64, "seed": int(rate)}
+    output = subprocess.run([sys.executable, "-m", "mlscale.bench.loadgen", json.dumps(config)],
+                            capture_output=True, text=True, timeout=args.duration_s + args.warmup_s + 60)
+    if output.returncode != 0:
+        raise RuntimeError(f"load generator failed: {output.stderr[-500:]}")
+    result = json.loads(output.stdout)
+    slo = args.slo_ms
+    result["generator_ok"] = result["generator_lag_ms"]["p99"] <= 0.1 * slo
+    result["meets_slo"] = (result["latency_ms"]["p99"] <= slo and result["error_rate"] < 0.001
+                           and result["generator_ok"])
+    return result
+
+
+def find_goodput(server: Server, args: argparse.Namespace, log: Any) -> tuple[float, list[dict[str, Any]]]:
+    trials, rate, good, bad = [], args.start_rate, 0.0, None
+    while bad is None and rate <= 50_000:
+        result = trial(server, rate, args)
+        trials.append(result)
+        log(server.name, result)
+        if result["meets_slo"]:
+            good, rate = rate, rate * 2
+        else:
+            bad = rate
+    for _ in range(args.bisect if bad is not None else 0):
+        mid = (good + bad) / 2
+        result = trial(server, mid, args)
+        trials.append(result)
+        log(server.name, result)
+        if result["meets_slo"]:
+            good = mid
+        else:
+            bad = mid
+    return good, sorted(trials, key=lambda r: r["offered_rate"])
+
+
+def offline_ceiling(onnx_path: str, rows: np.ndarray, batch: int, seconds: float = 2.0) -> float:
+    """Items/s of onnxruntime alone on one thread and one core, fixed batches, no HTTP: the upper bound."""
+    from mlscale.export.onnx import onnx_session
+
+    previous = os.sched_getaffinity(0)
+    _pin_server()
+    try:
+        session = onnx_session(onnx_path, threads=1)
+        x = np.resize(rows, (batch, rows.shape[1])).astype(np.float32)
+        for _ in range(10):
+            session.run(["output"], {"input": x})
+        done, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            session.run(["output"], {"input": x})
+            done += batch
+        return done / (time.perf_counter() - start)
+    finally:
+        os.sched_setaffinity(0, previous)
+
+
+def _log(name: str, result: dict[str, Any]) -> None:
+    print(f"  {name:<9} offered {result['offered_rate']:8,.0f}/s  ok {result['throughput']:8,.0f}/s  "
+          f"p50 {result['latency_ms']['p50']:7.2f} ms  p99 {result['latency_ms']['p99']:8.2f} ms  "
+          f"errors {result['error_rate']:.2%}  lag p99 {result['generator_lag_ms']['p99']:.2f} ms  "
+          f"{'ok' if result['meets_slo'] else 'MISS'}", file=sys.stderr, flush=True)
+
+
+def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    names = [m for m in args.models.split(",") if m]
+    systems = [s for s in args.systems.split(",") if s]
+    results: dict[str, Any] = {"models": {}}
+    with tempfile.TemporaryDirectory(prefix="mlscale-bench-serve-") as tmp:
+        prepared = prepare_models(Path(tmp), names)
+        for name in names:
+            model = prepared[name]
+            print(f"{name}:", file=sys.stderr, flush=True)
+            row: dict[str, Any] = {"systems": {}, "offline_items_per_s": offline_ceiling(
+                model["onnx"], model["rows"], args.max_batch_size)}
+            for system in systems:
+                server = start_server(system, model, args)
+                try:
+                    goodput, trials = find_goodput(server, args, _log)
+                finally:
+                    server.stop()
+                row["systems"][system] = {"goodput": goodput, "trials": trials}
+            if "mlscale" in systems:
+                row["overload"] = overload_check(model, args, row["systems"]["mlscale"]["goodput"])
+                row["cache"] = cache_check(model, args)
+            _ratios(row)
+            results["models"][name] = row
+    results.update({
+        "benchmark": "serving goodput at an SLO: mlscale vs LitServe (batching on) vs plain FastAPI vs offline",
+        "how": (f"open-loop Poisson load, latency from the intended send time, {args.warmup_s:g} s warm-up discarded "
+                f"+ {args.duration_s:g} s measured per trial; goodput = highest offered rate with p99 <= "
+                f"{args.slo_ms:g} ms, < 0.1% errors and generator lag p99 <= 10% of the SLO (doubling, then "
+                f"{args.bisect} bisections); server pinned to CPU {SERVER_CPU}, load generator to CPU {LOADGEN_CPU};"
+                f" onnxruntime 1 thread everywhere; mlscale --max-batch-size {args.max_batch_size} --max-delay-ms "
+                f"{args.max_delay_ms:g} --cache-mb 0; LitServe max_batch_size {args.max_batch_size}, batch_timeout "
+                f"{args.max_delay_ms / 1e3:g} s; inputs: 200 distinct held-out rows, one per request"),
+        "slo_ms": args.slo_ms,
+        "command": "mlscale bench serve " + " ".join(sys.argv[3:]) if sys.argv[1:3] == ["bench", "serve"] else "",
+        "machine": machine_info(),
+    })
+    return results
+
+
+def _ratios(row: dict[str, Any]) -> None:
+    systems = row["systems"]
+    if "mlscale" not in systems:
+        return
+    ours = systems["mlscale"]["goodput"]
+    row["ratios"] = {f"mlscale_over_{name}": ours / s["goodput"] if s["goodput"] else None
+                     for name, s in systems.items() if name != "mlscale"}
+    row["ratios"]["mlscale_over_offline"] = ours / row["offline_items_per_s"]
+
+
+def overload_check(model: dict[str, Any], args: argparse.Namespace, goodput: float) -> dict[str, Any]:
+    """2x the goodput, with and without --slo-ms: p99 of admitted requests, share refused."""
+    out = {}
+    for label, slo in (("with_slo", args.slo_ms), ("without_slo", None)):
+        server = start_server("mlscale", model, args, slo_ms=slo)
+        try:
+            result = trial(server, 2 * max(goodput, args.start_rate), args)
+        finally:
+            server.stop()
+        _log(f"2x {label}", result)
+        out[label] = {"offered_rate": result["offered_rate"], "admitted_p99_ms": result["latency_ms"]["p99"],
+                      "admitted_p50_ms": result["latency_ms"]["p50"], "refused_share": result["error_rate"],
+                      "admitted_per_s": result["throughput"]}
+    return out
+
+
+def cache_check(model: dict[str, Any], args: argparse.Namespace, rate: float = 200.0) -> dict[str, Any]:
+    """p50 of cache hits (one repeated request) against a no-op JSON endpoint, same rate, same body."""
+    out = {}
+    body = [v2_body(model["rows"][0])]
+    for kind in ("mlscale", "noop"):
+        server = start_server(kind, model, args, cache_mb=64.0)
+        try:
+            result = trial(server, rate, args, bodies=body)
+        finally:
+            server.stop()
+        _log(f"{kind} hit", result)
+        out[kind] = {"p50_ms": result["latency_ms"]["p50"], "p99_ms": result["latency_ms"]["p99"]}
+    out["hit_p50_over_noop_p50"] = out["mlscale"]["p50_ms"] / out["noop"]["p50_ms"]
+    return out
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = results["models"]
+    fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 4.5), squeeze=False)
+    colors = {"mlscale": "tab:blue", "litserve": "tab:orange", "fastapi": "tab:gray"}
+    for ax, (name, row) in zip(axes[0], models.items()):
+        for system, data in row["systems"].items():
+            trials = data["trials"]
+            ax.plot([t["offered_rate"] for t in trials], [t["latency_ms"]["p99"] for t in trials], marker="o",
+                    color=colors.get(system), label=f"{system} (goodput {data['goodput']:,.0f}/s)")
+        ax.axhline(results["slo_ms"], color="red", linestyle="--", label=f"SLO p99 {results['slo_ms']:g} ms")
+        if row.get("offline_items_per_s"):
+            ax.axvline(row["offline_items_per_s"], color="green", linestyle=":",
+                       label=f"offline ceiling {row['offline_items_per_s']:,.0f}/s")
+        ax.set(xscale="log", yscale="log", xlabel="offered load (requests/s, Poisson)", ylabel="p99 latency (ms)",
+               title=name)
+        ax.legend(fontsize=8)
+    fig.suptitle("Latency vs offered load (open loop); goodput = highest load with p99 under the SLO")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results = run_benchmark(args)
+    (out / "serve.json").write_text(json.dumps(results, indent=2) + "\n")
+    plot(results, out / "serve.png")
+    for name, row in results["models"].items():
+        goodputs = ", ".join(f"{s} {d['goodput']:,.0f}/s" for s, d in row["systems"].items())
+        ratios = {k: round(v, 3) for k, v in row.get("ratios", {}).items() if v}
+        print(f"{name}: goodput at p99 <= {results['slo_ms']:g} ms: {goodputs}; offline "
+              f"{row['offline_items_per_s']:,.0f} items/s; ratios {json.dumps(ratios)}")
+    print(f"wrote {out / 'serve.json'} and {out / 'serve.png'}")
+    return results
