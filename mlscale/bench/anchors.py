@@ -25,27 +25,9 @@ def _session(path: str):
 def run_litserve(path: str, port: int, max_batch: int, timeout_s: float) -> None:
     import litserve as ls
 
-    class OnnxAPI(ls.LitAPI):
-        def setup(self, device: str) -> None:
-            self.session = _session(path)
+    from mlscale.bench.litserve_api import OnnxAPI
 
-        def decode_request(self, request: dict) -> np.ndarray:
-            return np.asarray(request["input"], dtype=np.float32)
-
-        def batch(self, inputs: list[np.ndarray]) -> np.ndarray:
-            return np.stack(inputs)
-
-        def predict(self, x: np.ndarray) -> np.ndarray:
-            batch = x if x.ndim == 2 else x[None, :]
-            return self.session.run(["output"], {"input": batch})[0]
-
-        def unbatch(self, output: np.ndarray) -> list[np.ndarray]:
-            return list(output)
-
-        def encode_response(self, output: np.ndarray) -> dict:
-            return {"output": np.asarray(output).reshape(-1).tolist()}
-
-    server = ls.LitServer(OnnxAPI(max_batch_size=max_batch, batch_timeout=timeout_s), accelerator="cpu",
+    server = ls.LitServer(OnnxAPI(path, max_batch_size=max_batch, batch_timeout=timeout_s), accelerator="cpu",
                           workers_per_device=1)
     server.run(port=port, log_level="warning", generate_client_file=False, num_api_servers=1)
 

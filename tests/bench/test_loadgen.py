@@ -1,0 +1,23 @@
+"""The open-loop load generator against a real server: counts, statuses, latency from intended send time."""
+
+import json
+import subprocess
+import sys
+
+from tests.serve.conftest import infer_body, running_server
+
+
+def test_loadgen_measures_a_real_server(serve_registry):
+    with running_server(serve_registry, "models:/digits/1") as (base, _):
+        port = int(base.rsplit(":", 1)[1])
+        config = {"host": "127.0.0.1", "port": port, "path": "/v2/models/digits/infer",
+                  "bodies": [json.dumps(infer_body([[0.1 * i] * 64])) for i in range(5)] + ["{bad json"],
+                  "rate": 120, "duration_s": 1.0, "warmup_s": 0.3, "connections": 4}
+        output = subprocess.run([sys.executable, "-m", "mlscale.bench.loadgen", json.dumps(config)],
+                                capture_output=True, text=True, timeout=60)
+        assert output.returncode == 0, output.stderr
+        result = json.loads(output.stdout)
+    assert 60 <= result["requests"] <= 200  # Poisson around 120/s for 1 s
+    assert set(result["statuses"]) == {"200", "400"}  # one body in six is malformed
+    assert 0.05 < result["error_rate"] < 0.35
+    assert 0 < result["latency_ms"]["p50"] <= result["latency_ms"]["p99"] < 1000
