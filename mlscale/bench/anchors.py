@@ -34,18 +34,14 @@ def run_litserve(path: str, port: int, max_batch: int, timeout_s: float) -> None
 
 def run_fastapi(path: str, port: int) -> None:
     import uvicorn
-    from fastapi import FastAPI
-    from pydantic import BaseModel
+    from fastapi import Body, FastAPI
 
     session = _session(path)
     app = FastAPI()
 
-    class Request(BaseModel):
-        input: list[float]
-
     @app.post("/predict")
-    def predict(request: Request) -> dict:
-        output = session.run(["output"], {"input": np.asarray([request.input], dtype=np.float32)})[0]
+    def predict(payload: dict[str, list[float]] = Body(...)) -> dict:  # noqa: B008 - FastAPI's idiom
+        output = session.run(["output"], {"input": np.asarray([payload["input"]], dtype=np.float32)})[0]
         return {"output": output.reshape(-1).tolist()}
 
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)

@@ -101,3 +101,25 @@ def test_sigterm_lets_in_flight_requests_finish(serve_registry):
         assert all(not isinstance(r, Exception) and r.status_code == 200 for r in results), results
         # uvicorn re-raises the SIGTERM it handled once shutdown is complete, as a service manager expects
         assert process.wait(timeout=30) in (0, -signal.SIGTERM)
+
+
+def test_after_a_version_change_the_cache_never_answers_with_the_old_version(serve_registry):
+    registry = Registry(serve_registry)
+    registry.set_alias("digits", 1, "production")
+    body = infer_body([[0.5] * 64])
+    try:
+        with running_server(serve_registry, "models:/digits@production", "--reload-interval-s", "0.2") as (base, _):
+            url = f"{base}/v2/models/digits/infer"
+            old = [httpx.post(url, json=body).json() for _ in range(3)]  # a miss, then hits
+            assert {r["model_version"] for r in old} == {"1"}
+            registry.set_alias("digits", 2, "production")
+            deadline = time.time() + 15
+            new = httpx.post(url, json=body).json()
+            while new["model_version"] != "2" and time.time() < deadline:
+                time.sleep(0.1)
+                new = httpx.post(url, json=body).json()
+            assert new["model_version"] == "2"
+            assert new["outputs"][0]["data"] != old[0]["outputs"][0]["data"]
+            assert metric(base, "mlscale_cache_num_misses_per_model_total", model="digits", version="2") == 1
+    finally:
+        registry.set_alias("digits", 1, "production")
