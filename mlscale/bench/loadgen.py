@@ -6,7 +6,8 @@ or not earlier ones have been answered, so a slow server cannot slow the offered
 - intended send time) is reported; a run whose generator lagged is not a valid measurement of the
 server. Minimal HTTP/1.1 over persistent connections keeps the client cheap.
 
-Run as ``python -m mlscale.bench.loadgen CONFIG_JSON`` (one JSON argument); prints a JSON result.
+Run as ``python -m mlscale.bench.loadgen`` with the JSON config on standard input (or as the one
+argument); prints a JSON result.
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ async def generate(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> None:
-    config = json.loads(sys.argv[1])
+    config = json.loads(sys.argv[1] if len(sys.argv) > 1 else sys.stdin.read())
     if config.get("cpu") is not None:
         import os
 

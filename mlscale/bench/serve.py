@@ -158,7 +158,7 @@ def trial(server: Server, rate: float, args: argparse.Namespace, bodies: list[st
     config = {"host": "127.0.0.1", "port": server.port, "path": server.path, "bodies": bodies or server.bodies,
               "rate": rate, "duration_s": args.duration_s, "warmup_s": args.warmup_s, "cpu": LOADGEN_CPU,
               "connections": 64, "seed": int(rate)}
-    output = subprocess.run([sys.executable, "-m", "mlscale.bench.loadgen", json.dumps(config)],
+    output = subprocess.run([sys.executable, "-m", "mlscale.bench.loadgen"], input=json.dumps(config),
                             capture_output=True, text=True, timeout=args.duration_s + args.warmup_s + 60)
     if output.returncode != 0:
         raise RuntimeError(f"load generator failed: {output.stderr[-500:]}")
