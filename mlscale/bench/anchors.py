@@ -48,20 +48,19 @@ def run_fastapi(path: str, port: int) -> None:
 
 
 def run_noop(port: int) -> None:
-    import json
-
+    import orjson
     import uvicorn
     from starlette.applications import Starlette
     from starlette.requests import Request
-    from starlette.responses import JSONResponse
+    from starlette.responses import Response
     from starlette.routing import Route
 
     answer = {"model_name": "noop", "model_version": "1", "outputs": [
         {"name": "output", "shape": [1, 10], "datatype": "FP32", "data": [0.123456789] * 10}]}
 
-    async def noop(request: Request) -> JSONResponse:
-        json.loads(await request.body())
-        return JSONResponse(answer)
+    async def noop(request: Request) -> Response:  # same JSON library and server stack as mlscale serve
+        orjson.loads(await request.body())
+        return Response(orjson.dumps(answer), media_type="application/json")
 
     app = Starlette(routes=[Route("/noop", noop, methods=["POST"])])
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)

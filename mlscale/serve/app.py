@@ -8,13 +8,13 @@ path or a model it was not started with.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 import numpy as np
+import orjson
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -22,7 +22,7 @@ from starlette.routing import Route
 
 from mlscale import __version__
 from mlscale.serve.batcher import DeadlineExceeded, Overloaded
-from mlscale.serve.cache import ResponseCache, cache_key
+from mlscale.serve.cache import ResponseCache, cache_key, raw_key
 from mlscale.serve.metrics import ServerMetrics
 from mlscale.serve.models import ModelSlot, ServedModel
 from mlscale.serve.protocol import BadRequest, parse_predict, parse_v2, tensor_metadata, v2_response
@@ -54,7 +54,7 @@ def _error(status: int, message: str, headers: dict[str, str] | None = None) -> 
     return JSONResponse({"error": message}, status_code=status, headers=headers)
 
 
-async def _read_json(request: Request, limit: int) -> Any:
+async def _read_body(request: Request, limit: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise HTTPError(413, f"request body of {declared} bytes is over the {limit}-byte limit")
@@ -64,36 +64,40 @@ async def _read_json(request: Request, limit: int) -> Any:
         if size > limit:
             raise HTTPError(413, f"request body is over the {limit}-byte limit")
         chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _decode(body: bytes) -> Any:
     try:
-        return json.loads(b"".join(chunks))
-    except (ValueError, UnicodeDecodeError) as exc:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
         raise HTTPError(400, f"malformed JSON: {exc}") from None
 
 
 async def _predict(state: ServerState, served: ServedModel, array: np.ndarray,
                    params: dict[str, Any]) -> np.ndarray:
-    labels, metrics = served.labels, state.metrics
+    stats = served.stats
     start = time.perf_counter()
     try:
         if state.cache.enabled:
             key = cache_key(served.content_id, array, params)
             output, how = await state.cache.get_or_compute(key, lambda: served.batcher.submit(array))
-            {"hit": metrics.cache_hits, "miss": metrics.cache_misses,
-             "coalesced": metrics.cache_coalesced}[how].labels(*labels).inc()
-            metrics.cache_bytes.set(state.cache.bytes)
+            stats.cache[how].inc()
+            if how == "miss":
+                state.metrics.cache_bytes.set(state.cache.bytes)
         else:
             output = await served.batcher.submit(array)
     except Overloaded as exc:
-        metrics.request_failure.labels(*labels, "overloaded").inc()
+        stats.failure("overloaded")
         raise HTTPError(503, f"overloaded: {exc}; retry later", {"Retry-After": "1"}) from None
     except DeadlineExceeded as exc:
-        metrics.request_failure.labels(*labels, "timeout").inc()
+        stats.failure("timeout")
         raise HTTPError(504, f"request timed out: {exc}") from None
     except Exception as exc:
-        metrics.request_failure.labels(*labels, "model").inc()
+        stats.failure("model")
         raise HTTPError(500, f"model failed: {type(exc).__name__}: {exc}") from None
-    metrics.request_success.labels(*labels).inc()
-    metrics.request_duration.labels(*labels).observe(time.perf_counter() - start)
+    stats.success.inc()
+    stats.duration.observe(time.perf_counter() - start)
     return output
 
 
@@ -121,29 +125,49 @@ def build_app(state: ServerState) -> Starlette:
         served = _served(request)
         return JSONResponse({"name": served.name, "ready": state.ready}, status_code=200 if state.ready else 503)
 
-    async def infer(request: Request) -> Response:
-        served = _served(request)
+    def _replay(served: ServedModel, key: bytes | None, start: float) -> Response | None:
+        """The memoised answer to exactly this body, if any: no decoding, no encoding."""
+        cached = state.cache.get(key) if key is not None else None
+        if not isinstance(cached, bytes):
+            return None
+        served.stats.cache["hit"].inc()
+        served.stats.success.inc()
+        served.stats.duration.observe(time.perf_counter() - start)
+        return Response(cached, media_type="application/json")
+
+    async def _answer(request: Request, served: ServedModel, decode: Any, encode: Any) -> Response:
+        start = time.perf_counter()
+        body = await _read_body(request, state.max_body_bytes)
+        key = raw_key(served.content_id, request.url.path, body) if state.cache.enabled else None
+        replayed = _replay(served, key, start)
+        if replayed is not None:
+            return replayed
         try:
-            array, params, request_id = parse_v2(await _read_json(request, state.max_body_bytes), served.input,
-                                                 served.output)
+            array, params, extra = decode(_decode(body), served)
         except BadRequest as exc:
-            state.metrics.request_failure.labels(*served.labels, "bad_request").inc()
+            served.stats.failure("bad_request")
             raise HTTPError(400, str(exc)) from None
         output = await _predict(state, served, array, params)
-        return JSONResponse(v2_response(served.name, served.number, served.output, output, request_id))
+        payload = orjson.dumps(encode(served, output, extra), option=orjson.OPT_SERIALIZE_NUMPY)
+        if key is not None:
+            state.cache.put(key, payload)
+        return Response(payload, media_type="application/json")
+
+    async def infer(request: Request) -> Response:
+        return await _answer(
+            request, _served(request),
+            lambda body, served: parse_v2(body, served.input, served.output),
+            lambda served, output, request_id: v2_response(served.name, served.number, served.output, output,
+                                                           request_id))
 
     async def predict(request: Request) -> Response:
         if not state.slots or state.slots[0].current is None:
             raise HTTPError(503, "no model loaded yet")
-        served = state.slots[0].current
-        try:
-            array = parse_predict(await _read_json(request, state.max_body_bytes), served.input)
-        except BadRequest as exc:
-            state.metrics.request_failure.labels(*served.labels, "bad_request").inc()
-            raise HTTPError(400, str(exc)) from None
-        output = await _predict(state, served, array, {})
-        return JSONResponse({"model_name": served.name, "model_version": str(served.number),
-                             "outputs": output.tolist()})
+        return await _answer(
+            request, state.slots[0].current,
+            lambda body, served: (parse_predict(body, served.input), {}, None),
+            lambda served, output, _: {"model_name": served.name, "model_version": str(served.number),
+                                       "outputs": output})
 
     async def metrics(_: Request) -> Response:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")

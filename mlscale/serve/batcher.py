@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mlscale.serve.metrics import ServerMetrics
+from mlscale.serve.metrics import ModelStats
 from mlscale.serve.runtime import Runtime
 
 
@@ -72,9 +72,9 @@ class CostModel:
 
 
 class DynamicBatcher:
-    def __init__(self, runtime: Runtime, *, labels: tuple[str, str], metrics: ServerMetrics, max_batch_size: int,
-                 max_delay_s: float, queue_limit: int, slo_s: float | None, timeout_s: float) -> None:
-        self.runtime, self.labels, self.metrics = runtime, labels, metrics
+    def __init__(self, runtime: Runtime, *, stats: ModelStats, max_batch_size: int, max_delay_s: float,
+                 queue_limit: int, slo_s: float | None, timeout_s: float) -> None:
+        self.runtime, self.stats = runtime, stats
         self.max_batch_size, self.max_delay_s = max_batch_size, max_delay_s
         self.queue_limit, self.slo_s, self.timeout_s = queue_limit, slo_s, timeout_s
         self.cost_model = CostModel()
@@ -84,7 +84,7 @@ class DynamicBatcher:
         self._arrived = asyncio.Event()
         self._busy_until: float | None = None
         self._closing = False
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"infer-{labels[0]}-{labels[1]}")
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infer")
         self._task = asyncio.get_running_loop().create_task(self._loop())
 
     # -- admission -----------------------------------------------------------------------------
@@ -122,7 +122,7 @@ class DynamicBatcher:
         pending = _Pending(array, asyncio.get_running_loop().create_future(), now, now + self.timeout_s)
         self._queue.append(pending)
         self._queued_rows += pending.rows
-        self.metrics.queue_depth.labels(*self.labels).set(len(self._queue))
+        self.stats.queue_depth.set(len(self._queue))
         self._arrived.set()
         return await pending.future
 
@@ -155,7 +155,7 @@ class DynamicBatcher:
 
     def _take_batch(self) -> list[_Pending]:
         target, now, batch, rows = self.batch_target(), time.perf_counter(), [], 0
-        self.metrics.batch_target.labels(*self.labels).set(target)
+        self.stats.batch_target.set(target)
         while self._queue and (not batch or rows + self._queue[0].rows <= target):
             pending = self._queue.popleft()
             self._queued_rows -= pending.rows
@@ -164,10 +164,10 @@ class DynamicBatcher:
             if now > pending.deadline:
                 pending.future.set_exception(DeadlineExceeded(f"waited {now - pending.arrival:.3f} s in the queue"))
                 continue
-            self.metrics.queue_duration.labels(*self.labels).observe(now - pending.arrival)
+            self.stats.queue.observe(now - pending.arrival)
             batch.append(pending)
             rows += pending.rows
-        self.metrics.queue_depth.labels(*self.labels).set(len(self._queue))
+        self.stats.queue_depth.set(len(self._queue))
         return batch
 
     async def _run(self, array: np.ndarray) -> np.ndarray:
@@ -181,10 +181,10 @@ class DynamicBatcher:
         elapsed = time.perf_counter() - start
         self.cost_model.observe(len(array), elapsed)
         self.executions += 1
-        self.metrics.exec_count.labels(*self.labels).inc()
-        self.metrics.compute_duration.labels(*self.labels).observe(elapsed)
-        self.metrics.batch_size.labels(*self.labels).observe(len(array))
-        self.metrics.inference_count.labels(*self.labels).inc(len(array))
+        self.stats.executions.inc()
+        self.stats.compute.observe(elapsed)
+        self.stats.batch_size.observe(len(array))
+        self.stats.inferences.inc(len(array))
         return output
 
     async def _execute(self, batch: list[_Pending]) -> None:

@@ -4,7 +4,9 @@ successes only, with concurrent identical misses coalesced into one model call.
 The key uses the decoded input (dtype, shape and bytes of the array the model would see, with -0.0
 made 0.0), not the request's JSON, so ``1``, ``1.0`` and ``1e0`` are one entry; it includes the
 model version's content identity (the SHA-256 of its artifact), so a new version can never be answered
-from the old one's entries.
+from the old one's entries. On top of it, the encoded response to an exact request body is memoised
+(key: version content + route + body bytes), so a repeated request skips decoding and encoding; it is
+only ever filled from a successful answer of the canonical path, and shares the byte budget.
 """
 
 from __future__ import annotations
@@ -31,11 +33,23 @@ def cache_key(content_id: str, array: np.ndarray, params: dict[str, Any] | None 
     return digest.digest()
 
 
+def raw_key(content_id: str, route: str, body: bytes) -> bytes:
+    """Key of the memoised encoded response to exactly this body (its ``id`` included) on this route."""
+    digest = hashlib.sha256(b"raw|")
+    digest.update(f"{content_id}|{route}|".encode())
+    digest.update(body)
+    return digest.digest()
+
+
+def _size(key: bytes, value: np.ndarray | bytes) -> int:
+    return (value.nbytes if isinstance(value, np.ndarray) else len(value)) + len(key) + 64
+
+
 class ResponseCache:
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.bytes = 0
-        self._entries: OrderedDict[bytes, np.ndarray] = OrderedDict()
+        self._entries: OrderedDict[bytes, np.ndarray | bytes] = OrderedDict()
         self._inflight: dict[bytes, asyncio.Future[np.ndarray]] = {}
 
     @property
@@ -45,29 +59,29 @@ class ResponseCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, key: bytes) -> np.ndarray | None:
+    def get(self, key: bytes) -> np.ndarray | bytes | None:
         value = self._entries.get(key)
         if value is not None:
             self._entries.move_to_end(key)
         return value
 
-    def put(self, key: bytes, value: np.ndarray) -> None:
-        size = value.nbytes + len(key) + 64
+    def put(self, key: bytes, value: np.ndarray | bytes) -> None:
+        size = _size(key, value)
         if not self.enabled or size > self.max_bytes:
             return
         if key in self._entries:
-            self.bytes -= self._entries.pop(key).nbytes + len(key) + 64
+            self.bytes -= _size(key, self._entries.pop(key))
         self._entries[key] = value
         self.bytes += size
         while self.bytes > self.max_bytes:
             old_key, old = self._entries.popitem(last=False)
-            self.bytes -= old.nbytes + len(old_key) + 64
+            self.bytes -= _size(old_key, old)
 
     async def get_or_compute(self, key: bytes, compute: Callable[[], Awaitable[np.ndarray]]) -> tuple[np.ndarray, str]:
         """(value, how): how is ``hit``, ``coalesced`` (waited for an identical miss) or ``miss``."""
         value = self.get(key)
         if value is not None:
-            return value, "hit"
+            return value, "hit"  # type: ignore[return-value]
         pending = self._inflight.get(key)
         if pending is not None:
             return await asyncio.shield(pending), "coalesced"

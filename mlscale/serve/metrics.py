@@ -46,3 +46,30 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class ModelStats:
+    """One model version's metric series, bound once (``labels()`` costs a lock and a lookup per call)."""
+
+    def __init__(self, metrics: ServerMetrics, model: str, version: str) -> None:
+        labels = (model, version)
+        self._metrics, self._labels = metrics, labels
+        self.success = metrics.request_success.labels(*labels)
+        self.duration = metrics.request_duration.labels(*labels)
+        self.queue = metrics.queue_duration.labels(*labels)
+        self.compute = metrics.compute_duration.labels(*labels)
+        self.batch_size = metrics.batch_size.labels(*labels)
+        self.inferences = metrics.inference_count.labels(*labels)
+        self.executions = metrics.exec_count.labels(*labels)
+        self.cache = {"hit": metrics.cache_hits.labels(*labels), "miss": metrics.cache_misses.labels(*labels),
+                      "coalesced": metrics.cache_coalesced.labels(*labels)}
+        self.queue_depth = metrics.queue_depth.labels(*labels)
+        self.batch_target = metrics.batch_target.labels(*labels)
+        self.loaded = metrics.model_loaded.labels(*labels)
+        self._failures: dict[str, object] = {}
+
+    def failure(self, reason: str) -> None:
+        child = self._failures.get(reason)
+        if child is None:
+            child = self._failures[reason] = self._metrics.request_failure.labels(*self._labels, reason)
+        child.inc()  # type: ignore[attr-defined]

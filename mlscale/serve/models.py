@@ -16,7 +16,7 @@ import numpy as np
 
 from mlscale.registry import ModelVersion, Registry, parse_uri
 from mlscale.serve.batcher import DynamicBatcher
-from mlscale.serve.metrics import ServerMetrics
+from mlscale.serve.metrics import ModelStats, ServerMetrics
 from mlscale.serve.runtime import Runtime, TensorSpec, load_runtime
 
 log = logging.getLogger("mlscale.serve")
@@ -50,12 +50,13 @@ class ServedModel:
         artifact = version.artifacts.get("model.onnx" if runtime.kind == "onnx" else "model.safetensors")
         self.content_id = f"{runtime.kind}:{artifact.sha256 if artifact else version.uri}"
         self.labels = (self.name, str(self.number))
-        self.batcher = DynamicBatcher(runtime, labels=self.labels, metrics=metrics,
+        self.stats = ModelStats(metrics, *self.labels)
+        self.batcher = DynamicBatcher(runtime, stats=self.stats,
                                       max_batch_size=options.max_batch_size, max_delay_s=options.max_delay_ms / 1e3,
                                       queue_limit=options.queue_limit,
                                       slo_s=options.slo_ms / 1e3 if options.slo_ms else None,
                                       timeout_s=options.timeout_ms / 1e3)
-        metrics.model_loaded.labels(*self.labels).set(1)
+        self.stats.loaded.set(1)
 
     def warm_up(self) -> None:
         shape = [1 if d == -1 else d for d in self.input.shape]
@@ -97,7 +98,7 @@ class ModelSlot:
         log.warning("%s moved: now serving version %s", self.uri, served.number)
         if old is not None:
             await old.batcher.close()  # drain what the old version had queued
-            self.metrics.model_loaded.labels(*old.labels).set(0)
+            old.stats.loaded.set(0)
         return True
 
     async def follow(self) -> None:

@@ -94,7 +94,7 @@ def v2_response(model: str, version: int, output: TensorSpec, array: np.ndarray,
         "model_version": str(version),
         "outputs": [{"name": output.name, "shape": list(array.shape),
                      "datatype": NUMPY_TO_V2.get(array.dtype, output.datatype),
-                     "data": array.reshape(-1).tolist()}],
+                     "data": np.ascontiguousarray(array).reshape(-1)}],
     }
     if request_id is not None:
         response["id"] = request_id
