@@ -44,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warmup-s", type=float, default=1.0, help="discarded seconds per trial (default 1)")
     p.add_argument("--bisect", type=int, default=4, help="bisection steps after the first failure (default 4)")
     p.add_argument("--start-rate", type=float, default=100.0, help="first offered rate, requests/s (default 100)")
+    p.add_argument("--checks", default="goodput,overload,cache", help="which parts to run (default all)")
+    p.add_argument("--overload-rate", type=float, default=None,
+                   help="offered rate of the overload check (default: 2x mlscale's measured goodput)")
     p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--max-delay-ms", type=float, default=2.0)
 
@@ -228,17 +231,20 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         for name in names:
             model = prepared[name]
             print(f"{name}:", file=sys.stderr, flush=True)
+            checks = args.checks.split(",")
             row: dict[str, Any] = {"systems": {}, "offline_items_per_s": offline_ceiling(
                 model["onnx"], model["rows"], args.max_batch_size)}
-            for system in systems:
+            for system in systems if "goodput" in checks else []:
                 server = start_server(system, model, args)
                 try:
                     goodput, trials = find_goodput(server, args, _log)
                 finally:
                     server.stop()
                 row["systems"][system] = {"goodput": goodput, "trials": trials}
-            if "mlscale" in systems:
-                row["overload"] = overload_check(model, args, row["systems"]["mlscale"]["goodput"])
+            if "overload" in checks:
+                rate = args.overload_rate or 2 * row["systems"]["mlscale"]["goodput"]
+                row["overload"] = overload_check(model, args, rate)
+            if "cache" in checks:
                 row["cache"] = cache_check(model, args)
             _ratios(row)
             results["models"][name] = row
@@ -268,13 +274,13 @@ def _ratios(row: dict[str, Any]) -> None:
     row["ratios"]["mlscale_over_offline"] = ours / row["offline_items_per_s"]
 
 
-def overload_check(model: dict[str, Any], args: argparse.Namespace, goodput: float) -> dict[str, Any]:
-    """2x the goodput, with and without --slo-ms: p99 of admitted requests, share refused."""
+def overload_check(model: dict[str, Any], args: argparse.Namespace, rate: float) -> dict[str, Any]:
+    """An offered rate past capacity (2x goodput), with and without --slo-ms: p99 of admitted, share refused."""
     out = {}
     for label, slo in (("with_slo", args.slo_ms), ("without_slo", None)):
         server = start_server("mlscale", model, args, slo_ms=slo)
         try:
-            result = trial(server, 2 * max(goodput, args.start_rate), args)
+            result = trial(server, rate, args)
         finally:
             server.stop()
         _log(f"2x {label}", result)

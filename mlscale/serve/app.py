@@ -39,6 +39,17 @@ class ServerState:
         self.slots, self.metrics, self.cache, self.max_body_bytes = slots, metrics, cache, max_body_bytes
         self.ready = False
         self.tasks: list[asyncio.Task[None]] = []
+        self.loop_lag_s = 0.0  # how late the event loop runs what is ready: the server's own backlog
+
+    async def watch_loop_lag(self, period_s: float = 0.005) -> None:
+        """EWMA of event-loop lag. Under overload requests wait in the server before any handler runs;
+        the batcher cannot see that wait, the loop's lag measures it."""
+        loop = asyncio.get_running_loop()
+        while True:
+            start = loop.time()
+            await asyncio.sleep(period_s)
+            lag = max(0.0, loop.time() - start - period_s)
+            self.loop_lag_s = 0.8 * self.loop_lag_s + 0.2 * lag
 
     def lookup(self, name: str, version: str | None = None) -> ServedModel:
         for slot in self.slots:
@@ -137,6 +148,11 @@ def build_app(state: ServerState) -> Starlette:
 
     async def _answer(request: Request, served: ServedModel, decode: Any, encode: Any) -> Response:
         start = time.perf_counter()
+        try:  # refuse before reading the body: under overload a refusal must cost as little as possible
+            served.batcher.admit(1, extra_delay_s=state.loop_lag_s)
+        except Overloaded as exc:
+            served.stats.failure("overloaded")
+            raise HTTPError(503, f"overloaded: {exc}; retry later", {"Retry-After": "1"}) from None
         body = await _read_body(request, state.max_body_bytes)
         key = raw_key(served.content_id, request.url.path, body) if state.cache.enabled else None
         replayed = _replay(served, key, start)
@@ -182,6 +198,7 @@ def build_app(state: ServerState) -> Starlette:
 
     @asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
+        state.tasks.append(asyncio.get_running_loop().create_task(state.watch_loop_lag()))
         for slot in state.slots:
             await slot.load()
             if slot.follows:

@@ -109,15 +109,23 @@ class DynamicBatcher:
         running = max(0.0, (self._busy_until or 0.0) - time.perf_counter())
         return running + batches_ahead * cost
 
-    async def submit(self, array: np.ndarray) -> np.ndarray:
+    def admit(self, rows: int = 1, extra_delay_s: float = 0.0) -> None:
+        """Raise ``Overloaded`` now if a request of ``rows`` cannot be queued or would miss the SLO.
+
+        ``extra_delay_s`` is delay the batcher cannot see (the server's own backlog before the handler).
+        Cheap enough to call before the request body is even read.
+        """
         if self._closing:
             raise Overloaded("model version is being replaced")
         if len(self._queue) >= self.queue_limit:
             raise Overloaded(f"queue full ({self.queue_limit} requests)")
         if self.slo_s is not None:
-            predicted = self.predicted_latency(len(array))
-            if predicted is not None and predicted > self.slo_s:
+            predicted = (self.predicted_latency(rows) or 0.0) + extra_delay_s
+            if predicted > self.slo_s:
                 raise Overloaded(f"would finish in ~{predicted * 1e3:.0f} ms, past the {self.slo_s * 1e3:.0f} ms SLO")
+
+    async def submit(self, array: np.ndarray) -> np.ndarray:
+        self.admit(len(array))
         now = time.perf_counter()
         pending = _Pending(array, asyncio.get_running_loop().create_future(), now, now + self.timeout_s)
         self._queue.append(pending)
