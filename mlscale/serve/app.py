@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from mlscale import __version__
-from mlscale.serve.batcher import DeadlineExceeded, Overloaded
+from mlscale.serve.batcher import DeadlineExceeded, Overloaded, Replaced
 from mlscale.serve.cache import ResponseCache, cache_key, raw_key
 from mlscale.serve.metrics import ServerMetrics
 from mlscale.serve.models import ModelSlot, ServedModel
@@ -50,6 +50,12 @@ class ServerState:
             await asyncio.sleep(period_s)
             lag = max(0.0, loop.time() - start - period_s)
             self.loop_lag_s = 0.8 * self.loop_lag_s + 0.2 * lag
+
+    def successor_of(self, served: ServedModel) -> ServedModel:
+        for slot in self.slots:
+            if slot.name == served.name and slot.current is not None and slot.current is not served:
+                return slot.current
+        raise HTTPError(404, f"model '{served.name}' version {served.number} was replaced")
 
     def lookup(self, name: str, version: str | None = None) -> ServedModel:
         for slot in self.slots:
@@ -87,6 +93,17 @@ def _decode(body: bytes) -> Any:
 
 async def _predict(state: ServerState, served: ServedModel, array: np.ndarray,
                    params: dict[str, Any]) -> np.ndarray:
+    try:
+        return await _predict_once(state, served, array, params)
+    except Replaced:
+        # The version was swapped while this request was being read: its successor answers it, so a
+        # hot reload fails nothing. (A request that named this exact version finds it gone: 404.)
+        successor = state.successor_of(served)
+        return await _predict_once(state, successor, array, params)
+
+
+async def _predict_once(state: ServerState, served: ServedModel, array: np.ndarray,
+                        params: dict[str, Any]) -> np.ndarray:
     stats = served.stats
     start = time.perf_counter()
     try:
@@ -98,6 +115,8 @@ async def _predict(state: ServerState, served: ServedModel, array: np.ndarray,
                 state.metrics.cache_bytes.set(state.cache.bytes)
         else:
             output = await served.batcher.submit(array)
+    except Replaced:
+        raise
     except Overloaded as exc:
         stats.failure("overloaded")
         raise HTTPError(503, f"overloaded: {exc}; retry later", {"Retry-After": "1"}) from None
@@ -150,6 +169,8 @@ def build_app(state: ServerState) -> Starlette:
         start = time.perf_counter()
         try:  # refuse before reading the body: under overload a refusal must cost as little as possible
             served.batcher.admit(1, extra_delay_s=state.loop_lag_s)
+        except Replaced:
+            pass  # swapped out meanwhile: _predict hands the request to the successor
         except Overloaded as exc:
             served.stats.failure("overloaded")
             raise HTTPError(503, f"overloaded: {exc}; retry later", {"Retry-After": "1"}) from None

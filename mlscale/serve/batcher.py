@@ -28,6 +28,10 @@ class Overloaded(Exception):
     """The queue is full or the request could not finish within the SLO: answer 503 now."""
 
 
+class Replaced(Overloaded):
+    """This version is being swapped out; the request belongs to its successor."""
+
+
 class DeadlineExceeded(Exception):
     """The request waited longer than its timeout: answer 504."""
 
@@ -116,7 +120,7 @@ class DynamicBatcher:
         Cheap enough to call before the request body is even read.
         """
         if self._closing:
-            raise Overloaded("model version is being replaced")
+            raise Replaced("model version is being replaced")
         if len(self._queue) >= self.queue_limit:
             raise Overloaded(f"queue full ({self.queue_limit} requests)")
         if self.slo_s is not None:
