@@ -12,8 +12,10 @@ overload check offers 2x mlscale's goodput and reports the p99 of the admitted r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -71,11 +73,21 @@ class Server:
     bodies: list[str]
 
     def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
+        """Stop the server and every process it started (LitServe's workers outlive a plain SIGTERM
+        to its parent and would keep polling, skewing every later measurement)."""
+        for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(self.process.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.process.wait(timeout=wait)
+            except subprocess.TimeoutExpired:
+                continue
+            if sig == signal.SIGTERM:  # the leader is gone; make sure its children are too
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.process.pid, signal.SIGKILL)
+            return
 
 
 def prepare_models(scratch: Path, names: list[str]) -> dict[str, dict[str, Any]]:
@@ -128,7 +140,7 @@ def start_server(kind: str, model: dict[str, Any], args: argparse.Namespace, *, 
         path, bodies = "/noop", [v2_body(r) for r in rows]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-                               preexec_fn=_pin_server)
+                               preexec_fn=_pin_server, start_new_session=True)
     server = Server(kind, process, port, path, bodies)
     _wait_ready(server)
     return server

@@ -99,14 +99,15 @@ def _decode(body: bytes) -> Any:
 
 
 async def _predict(state: ServerState, served: ServedModel, array: np.ndarray,
-                   params: dict[str, Any]) -> np.ndarray:
+                   params: dict[str, Any]) -> tuple[np.ndarray, ServedModel]:
+    """The output and the version that computed it (which the response must name)."""
     try:
-        return await _predict_once(state, served, array, params)
+        return await _predict_once(state, served, array, params), served
     except Replaced:
         # The version was swapped while this request was being read: its successor answers it, so a
         # hot reload fails nothing. (A request that named this exact version finds it gone: 404.)
         successor = state.successor_of(served)
-        return await _predict_once(state, successor, array, params)
+        return await _predict_once(state, successor, array, params), successor
 
 
 async def _predict_once(state: ServerState, served: ServedModel, array: np.ndarray,
@@ -191,9 +192,9 @@ def build_app(state: ServerState) -> Starlette:
         except BadRequest as exc:
             served.stats.failure("bad_request")
             raise HTTPError(400, str(exc)) from None
-        output = await _predict(state, served, array, params)
-        payload = orjson.dumps(encode(served, output, extra), option=orjson.OPT_SERIALIZE_NUMPY)
-        if key is not None:
+        output, answered_by = await _predict(state, served, array, params)
+        payload = orjson.dumps(encode(answered_by, output, extra), option=orjson.OPT_SERIALIZE_NUMPY)
+        if key is not None and answered_by is served:  # the memo is keyed by the version that answered
             state.cache.put(key, payload)
         return Response(payload, media_type="application/json")
 
