@@ -11,7 +11,6 @@ competition for the CPU) and the time to write one file.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from mlscale.bench.machine import machine_info
+from mlscale.bench.report import pyplot, save_figure, write_results
 from mlscale.config import TrainConfig
 from mlscale.train.launcher import fit
 
@@ -93,11 +93,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (stall_ax, speed_ax) = plt.subplots(1, 2, figsize=(10, 4))
     for ax, key, label in ((stall_ax, "stall_ms_p50", "training stall per checkpoint (ms)"),
                            (speed_ax, "samples_per_s", "training throughput (samples/s)")):
@@ -110,22 +106,17 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.set_title(label)
     fig.suptitle(f"Checkpointing {results['state_mb']:.0f} MB of state: blocking vs async "
                  f"(stall {results['stall_ratio_blocking_over_async']:.1f}x lower)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     results = run_benchmark(args)
-    (out / "checkpoint.json").write_text(json.dumps(results, indent=2) + "\n")
-    plot(results, out / "checkpoint.png")
+    json_path, png_path = write_results(args.out, "checkpoint", results, plot)
     for mode in MODES:
         row = results["median"][mode]
         print(f"{mode:<8} stall p50 {row['stall_ms_p50']:,.1f} ms, write {row['write_ms_p50']:,.1f} ms, "
               f"{row['samples_per_s']:,.0f} samples/s")
     print(f"stall blocking/async: {results['stall_ratio_blocking_over_async']:.1f}x; throughput async/blocking: "
           f"{results['throughput_ratio_async_over_blocking']:.3f}")
-    print(f"wrote {out / 'checkpoint.json'} and {out / 'checkpoint.png'}")
+    print(f"wrote {json_path} and {png_path}")
     return results

@@ -9,7 +9,6 @@ call are reported with the ratio torch / onnxruntime.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -18,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from mlscale.bench.machine import machine_info
+from mlscale.bench.report import pyplot, save_figure, write_results
 
 MODELS = {"digits-mlp": "digits", "digits-cnn": "digits-cnn"}
 
@@ -114,11 +114,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(results["models"]), figsize=(6 * len(results["models"]), 4))
     for ax, (label, rows) in zip(axes, results["models"].items()):
         batches = [int(b) for b in rows]
@@ -131,20 +127,15 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.set_xticks(batches, [str(b) for b in batches])
         ax.legend()
     fig.suptitle("Inference latency, 1 thread: onnxruntime vs eager PyTorch")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     results = run_benchmark(args)
-    (out / "export.json").write_text(json.dumps(results, indent=2) + "\n")
-    plot(results, out / "export.png")
+    json_path, png_path = write_results(args.out, "export", results, plot)
     for label, rows in results["models"].items():
         for batch, row in rows.items():
             print(f"{label:<11} batch {batch:>4}  torch {row['torch']['p50_ms']:7.3f} ms  onnxruntime "
                   f"{row['onnxruntime']['p50_ms']:7.3f} ms  speed-up {row['speedup_onnxruntime']:.2f}x")
-    print(f"wrote {out / 'export.json'} and {out / 'export.png'}")
+    print(f"wrote {json_path} and {png_path}")
     return results

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from mlscale.bench.machine import machine_info
+from mlscale.bench.report import pyplot, save_figure, write_results
 
 SERVER_CPU, LOADGEN_CPU = 0, 1
 MODELS = {
@@ -319,11 +320,7 @@ def cache_check(model: dict[str, Any], args: argparse.Namespace, rate: float = 2
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     models = results["models"]
     fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 4.5), squeeze=False)
     colors = {"mlscale": "tab:blue", "litserve": "tab:orange", "fastapi": "tab:gray"}
@@ -340,21 +337,16 @@ def plot(results: dict[str, Any], path: Path) -> None:
                title=name)
         ax.legend(fontsize=8)
     fig.suptitle("Latency vs offered load (open loop); goodput = highest load with p99 under the SLO")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     results = run_benchmark(args)
-    (out / "serve.json").write_text(json.dumps(results, indent=2) + "\n")
-    plot(results, out / "serve.png")
+    json_path, png_path = write_results(args.out, "serve", results, plot)
     for name, row in results["models"].items():
         goodputs = ", ".join(f"{s} {d['goodput']:,.0f}/s" for s, d in row["systems"].items())
         ratios = {k: round(v, 3) for k, v in row.get("ratios", {}).items() if v}
         print(f"{name}: goodput at p99 <= {results['slo_ms']:g} ms: {goodputs}; offline "
               f"{row['offline_items_per_s']:,.0f} items/s; ratios {json.dumps(ratios)}")
-    print(f"wrote {out / 'serve.json'} and {out / 'serve.png'}")
+    print(f"wrote {json_path} and {png_path}")
     return results

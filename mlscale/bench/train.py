@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from mlscale.bench.machine import machine_info
+from mlscale.bench.report import pyplot, save_figure, write_results
 from mlscale.config import TrainConfig
 from mlscale.train.launcher import fit
 
@@ -100,11 +101,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     sizes = list(results["world_sizes"])
     fig, ax = plt.subplots(figsize=(6, 4))
     for offset, name, color in ((-0.2, "ours", "tab:blue"), (0.2, "plain", "tab:gray")):
@@ -123,19 +120,14 @@ def plot(results: dict[str, Any], path: Path) -> None:
     ax.set_ylim(top=ax.get_ylim()[1] * 1.12)
     ax.set_title("Training throughput: mlscale vs plain DDP")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     results = run_benchmark(args)
-    (out / "train.json").write_text(json.dumps(results, indent=2) + "\n")
-    plot(results, out / "train.png")
+    json_path, png_path = write_results(args.out, "train", results, plot)
     for size, row in results["world_sizes"].items():
         print(f"workers {size}: mlscale {row['ours']['median']:,.0f} samples/s, plain {row['plain']['median']:,.0f}"
               f" samples/s, ratio {row['ratio_ours_over_plain']['median']:.3f}")
-    print(f"wrote {out / 'train.json'} and {out / 'train.png'}")
+    print(f"wrote {json_path} and {png_path}")
     return results

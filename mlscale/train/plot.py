@@ -11,11 +11,9 @@ from mlscale.train.rundir import RunDir
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    import matplotlib
+    from mlscale.bench.report import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     run = RunDir(run_dir)
     metrics, report = run.read_metrics(), run.read_report()
     out = Path(out) if out else run.path / "plots" / "training.png"
@@ -36,7 +34,5 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     split_ax.set(title="median step time per rank", xlabel="rank", ylabel="ms")
     split_ax.legend()
     fig.suptitle(f"{report['task']} · {report['strategy']} · {report['world_size']} worker(s)")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    save_figure(fig, out)
     return out
