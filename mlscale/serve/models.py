@@ -74,29 +74,28 @@ class ModelSlot:
     def name(self) -> str:
         return self.parsed.name
 
-    def _load(self, version: ModelVersion) -> tuple[Runtime, ModelVersion]:
-        runtime = load_runtime(self.registry, version, self.options.runtime, self.options.threads)
-        return runtime, version
-
-    async def load(self) -> None:
-        version = await asyncio.to_thread(self.registry.resolve, self.uri)
-        runtime, version = await asyncio.to_thread(self._load, version)
+    async def _prepare(self, version: ModelVersion) -> ServedModel:
+        """Load and warm a version off the event loop, ready to be swapped in."""
+        runtime = await asyncio.to_thread(load_runtime, self.registry, version, self.options.runtime,
+                                          self.options.threads)
         served = ServedModel(version, runtime, self.options, self.metrics)
         await asyncio.to_thread(served.warm_up)
-        self.current = served
+        return served
+
+    async def load(self) -> None:
+        """The first load: the version the URI points to at start."""
+        await self.reload_if_moved()
 
     async def reload_if_moved(self) -> bool:
-        """Swap in the version the URI points to now, if it moved. True when swapped."""
+        """Swap in the version the URI points to now, if it moved (or none is loaded). True when swapped."""
         version = await asyncio.to_thread(self.registry.resolve, self.uri)
         old = self.current
         if old is not None and version.version == old.number:
             return False
-        runtime, version = await asyncio.to_thread(self._load, version)
-        served = ServedModel(version, runtime, self.options, self.metrics)
-        await asyncio.to_thread(served.warm_up)
+        served = await self._prepare(version)
         self.current = served  # the swap: one assignment, new requests see the new version from here on
-        log.warning("%s moved: now serving version %s", self.uri, served.number)
         if old is not None:
+            log.warning("%s moved: now serving version %s", self.uri, served.number)
             await old.batcher.close()  # drain what the old version had queued
             old.stats.loaded.set(0)
         return True
