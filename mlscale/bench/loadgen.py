@@ -4,7 +4,13 @@ Requests are scheduled in advance (exponential gaps at the offered rate) and sen
 or not earlier ones have been answered, so a slow server cannot slow the offered load down
 (no coordinated omission). Latency = completion - intended send time. The generator's own lag (actual
 - intended send time) is reported; a run whose generator lagged is not a valid measurement of the
-server. Minimal HTTP/1.1 over persistent connections keeps the client cheap.
+server.
+
+The client must cost far less than the servers it measures, so it is built on bare ``asyncio``
+protocols (no stream objects, no task per request) over persistent HTTP/1.1 connections, one request
+in flight per connection; a request that finds every connection busy opens a new one rather than
+wait. Timestamps come from ``time.perf_counter`` (uvloop's ``loop.time`` ticks in milliseconds).
+On one core of this machine it keeps up with about 15,000 requests/s.
 
 Run as ``python -m mlscale.bench.loadgen`` with the JSON config on standard input (or as the one
 argument); prints a JSON result.
@@ -19,6 +25,8 @@ import sys
 import time
 from typing import Any
 
+_clock = time.perf_counter
+
 
 def _request_bytes(host: str, path: str, body: bytes) -> bytes:
     head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
@@ -26,27 +34,133 @@ def _request_bytes(host: str, path: str, body: bytes) -> bytes:
     return head.encode() + body
 
 
-async def _read_response(reader: asyncio.StreamReader) -> int:
-    head = await reader.readuntil(b"\r\n\r\n")
-    lines = head.split(b"\r\n")
-    status = int(lines[0].split(b" ", 2)[1])
-    length, chunked = 0, False
-    for line in lines[1:]:
-        name, _, value = line.partition(b":")
-        name = name.strip().lower()
-        if name == b"content-length":
-            length = int(value.strip())
-        elif name == b"transfer-encoding" and b"chunked" in value.lower():
-            chunked = True
-    if chunked:
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection; parses just enough of each response to find its end and status."""
+
+    def __init__(self, generator: _Generator) -> None:
+        self.generator = generator
+        self.transport: asyncio.Transport | None = None
+        self.buffer = b""
+        self.request = -1  # index of the request in flight, -1 when idle
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's transports subclass nothing
+
+    def send(self, index: int, payload: bytes) -> None:
+        assert self.transport is not None
+        self.request = index
+        self.transport.write(payload)
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        while self.request >= 0:
+            end = self.buffer.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = self.buffer[:end].lower()
+            status = int(head[9:12])
+            at = head.find(b"content-length:")
+            if at >= 0:
+                stop = head.find(b"\r\n", at)
+                total = end + 4 + int(head[at + 15:stop if stop >= 0 else len(head)])
+            elif b"transfer-encoding: chunked" in head:
+                last = self.buffer.find(b"\r\n0\r\n\r\n", end)
+                if last < 0:
+                    return
+                total = last + 7
+            else:
+                total = end + 4
+            if len(self.buffer) < total:
+                return
+            self.buffer = self.buffer[total:]
+            index, self.request = self.request, -1
+            self.generator.completed(self, index, status)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        if self.request >= 0:
+            index, self.request = self.request, -1
+            self.generator.completed(None, index, 0)
+
+
+class _Generator:
+    def __init__(self, config: dict[str, Any]) -> None:
+        self.host, self.port = config["host"], config["port"]
+        self.payloads = [_request_bytes(self.host, config["path"], body.encode()) for body in config["bodies"]]
+        self.connections = config.get("connections", 64)
+        rate, horizon = config["rate"], config["warmup_s"] + config["duration_s"]
+        rng, t, offsets = random.Random(config.get("seed", 0)), 0.0, []
         while True:
-            size = int((await reader.readuntil(b"\r\n")).strip(), 16)
-            await reader.readexactly(size + 2)
-            if size == 0:
+            t += rng.expovariate(rate)
+            if t >= horizon:
                 break
-    elif length:
-        await reader.readexactly(length)
-    return status
+            offsets.append(t)
+        self.offsets = offsets
+        self.sent = [0.0] * len(offsets)
+        self.done = [0.0] * len(offsets)
+        self.status = [-1] * len(offsets)
+        self.idle: list[_Connection] = []
+        self.outstanding = 0
+        self.opened = 0
+        self.all_done: asyncio.Future[None] | None = None
+
+    async def _connect(self) -> _Connection:
+        loop = asyncio.get_running_loop()
+        self.opened += 1
+        _, protocol = await loop.create_connection(lambda: _Connection(self), self.host, self.port)
+        return protocol
+
+    def completed(self, connection: _Connection | None, index: int, status: int) -> None:
+        self.done[index], self.status[index] = _clock(), status
+        if connection is not None and connection.transport is not None:
+            self.idle.append(connection)
+        self.outstanding -= 1
+        if self.outstanding == 0 and self.all_done is not None and not self.all_done.done():
+            self.all_done.set_result(None)
+
+    async def _send_fresh(self, index: int) -> None:
+        try:
+            connection = await self._connect()
+        except OSError:
+            self.completed(None, index, 0)
+            return
+        self.sent[index] = _clock()
+        connection.send(index, self.payloads[index % len(self.payloads)])
+
+    def _send(self, index: int) -> None:
+        self.outstanding += 1
+        while self.idle and self.idle[-1].transport is None:  # closed by the server while idle
+            self.idle.pop()
+        if self.idle:
+            connection = self.idle.pop()
+            self.sent[index] = _clock()
+            connection.send(index, self.payloads[index % len(self.payloads)])
+        else:
+            asyncio.ensure_future(self._send_fresh(index))
+
+    async def run(self, timeout_s: float) -> float:
+        self.idle = list(await asyncio.gather(*(self._connect() for _ in range(self.connections))))
+        start = _clock() + 0.05
+        offsets, count, next_index = self.offsets, len(self.offsets), 0
+        self.intended_start = start
+        while next_index < count:
+            now = _clock()
+            while next_index < count and start + offsets[next_index] <= now:
+                self._send(next_index)
+                next_index += 1
+            if next_index < count:
+                delay = start + offsets[next_index] - _clock()
+                if delay > 0.0005:
+                    await asyncio.sleep(delay - 0.0003)
+                else:
+                    await asyncio.sleep(0)
+        if self.outstanding:
+            self.all_done = asyncio.get_running_loop().create_future()
+            try:
+                await asyncio.wait_for(self.all_done, timeout_s)
+            except TimeoutError:
+                pass
+        return start
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -57,57 +171,25 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 async def generate(config: dict[str, Any]) -> dict[str, Any]:
-    host, port, path = config["host"], config["port"], config["path"]
-    rate, duration, warmup = config["rate"], config["duration_s"], config["warmup_s"]
-    requests = [_request_bytes(host, path, body.encode()) for body in config["bodies"]]
-    rng = random.Random(config.get("seed", 0))
-    offsets, t = [], 0.0
-    while True:
-        t += rng.expovariate(rate)
-        if t >= warmup + duration:
-            break
-        offsets.append(t)
-    loop = asyncio.get_running_loop()
-    idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
-    for _ in range(config.get("connections", 32)):
-        idle.append(await asyncio.open_connection(host, port))
-    records: list[tuple[float, float, float, int]] = []
-    timeout = config.get("timeout_s", 10.0)
-
-    async def one(index: int, intended: float) -> None:
-        sent = loop.time()
-        try:
-            reader, writer = idle.pop() if idle else await asyncio.open_connection(host, port)
-            sent = loop.time()
-            writer.write(requests[index % len(requests)])
-            status = await asyncio.wait_for(_read_response(reader), timeout)
-            idle.append((reader, writer))
-        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError, ValueError):
-            status = 0
-        records.append((intended, sent, loop.time(), status))
-
-    start = loop.time() + 0.05
-    tasks = []
-    for index, offset in enumerate(offsets):
-        delay = start + offset - loop.time()
-        if delay > 0:
-            await asyncio.sleep(delay)
-        tasks.append(asyncio.ensure_future(one(index, start + offset)))
-    await asyncio.gather(*tasks)
-    measured = [r for r in records if r[0] >= start + warmup]
-    ok = [r for r in measured if r[3] == 200]
-    latencies = [(r[2] - r[0]) * 1e3 for r in ok]
-    lags = [(r[1] - r[0]) * 1e3 for r in measured]
+    generator = _Generator(config)
+    start = await generator.run(config.get("timeout_s", 10.0))
+    warmup, duration = config["warmup_s"], config["duration_s"]
+    measured = [i for i, offset in enumerate(generator.offsets) if offset >= warmup]
+    ok = [i for i in measured if generator.status[i] == 200]
+    latencies = [(generator.done[i] - start - generator.offsets[i]) * 1e3 for i in ok]
+    lags = [(generator.sent[i] - start - generator.offsets[i]) * 1e3 for i in measured if generator.sent[i]]
     statuses: dict[str, int] = {}
-    for r in measured:
-        statuses[str(r[3])] = statuses.get(str(r[3]), 0) + 1
+    for i in measured:
+        code = str(max(generator.status[i], 0))  # -1 (never answered) and 0 (connection failed) read as 0
+        statuses[code] = statuses.get(code, 0) + 1
     return {
-        "offered_rate": rate, "requests": len(measured), "ok": len(ok), "statuses": statuses,
+        "offered_rate": config["rate"], "requests": len(measured), "ok": len(ok), "statuses": statuses,
         "error_rate": 1 - len(ok) / len(measured) if measured else 1.0,
         "throughput": len(ok) / duration,
         "latency_ms": {"p50": _percentile(latencies, 0.5), "p90": _percentile(latencies, 0.9),
                        "p99": _percentile(latencies, 0.99), "max": max(latencies, default=float("nan"))},
         "generator_lag_ms": {"p50": _percentile(lags, 0.5), "p99": _percentile(lags, 0.99)},
+        "connections_opened": generator.opened,
     }
 
 
@@ -123,6 +205,9 @@ def main() -> None:
         uvloop.install()
     except ImportError:
         pass
+    import gc
+
+    gc.disable()  # a collection pause in the client would read as server latency; the run is short
     started = time.time()
     result = asyncio.run(generate(config))
     result["wall_s"] = time.time() - started

@@ -23,6 +23,12 @@ import numpy as np
 from mlscale.serve.metrics import ModelStats
 from mlscale.serve.runtime import Runtime
 
+# A batch predicted to take less than this runs on the event loop itself. Handing it to the worker
+# thread costs two GIL hand-offs, and under load those take longer than such a batch (digits at 2,000
+# requests/s on one core: p50 1.35 ms through the thread, 0.48 ms inline). Longer batches go to the
+# thread, so the loop keeps reading requests (and refusing the excess) while the model runs.
+INLINE_BELOW_S = 0.001
+
 
 class Overloaded(Exception):
     """The queue is full or the request could not finish within the SLO: answer 503 now."""
@@ -187,7 +193,11 @@ class DynamicBatcher:
         start = time.perf_counter()
         self._busy_until = start + (self.cost_model.cost(len(array)) or 0.0)
         try:
-            output = await loop.run_in_executor(self._executor, self.runtime.run, array)
+            predicted = self.cost_model.cost(len(array))
+            if predicted is not None and predicted < INLINE_BELOW_S:
+                output = self.runtime.run(array)
+            else:
+                output = await loop.run_in_executor(self._executor, self.runtime.run, array)
         finally:
             self._busy_until = None
         elapsed = time.perf_counter() - start
