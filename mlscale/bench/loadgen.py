@@ -19,6 +19,7 @@ argument); prints a JSON result.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import sys
@@ -102,6 +103,7 @@ class _Generator:
         self.idle: list[_Connection] = []
         self.outstanding = 0
         self.opened = 0
+        self.opening: set[asyncio.Future[None]] = set()
         self.all_done: asyncio.Future[None] | None = None
 
     async def _connect(self) -> _Connection:
@@ -136,7 +138,8 @@ class _Generator:
             self.sent[index] = _clock()
             connection.send(index, self.payloads[index % len(self.payloads)])
         else:
-            asyncio.ensure_future(self._send_fresh(index))
+            self.opening.add(task := asyncio.ensure_future(self._send_fresh(index)))
+            task.add_done_callback(self.opening.discard)
 
     async def run(self, timeout_s: float) -> float:
         self.idle = list(await asyncio.gather(*(self._connect() for _ in range(self.connections))))
@@ -156,10 +159,8 @@ class _Generator:
                     await asyncio.sleep(0)
         if self.outstanding:
             self.all_done = asyncio.get_running_loop().create_future()
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.all_done, timeout_s)
-            except TimeoutError:
-                pass
         return start
 
 

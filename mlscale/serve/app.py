@@ -48,11 +48,10 @@ class ServerState:
     async def watch_loop_lag(self, period_s: float = 0.005) -> None:
         """EWMA of event-loop lag. Under overload requests wait in the server before any handler runs;
         the batcher cannot see that wait, the loop's lag measures it."""
-        loop = asyncio.get_running_loop()
-        while True:
-            start = loop.time()
+        while True:  # perf_counter: uvloop's loop.time() ticks in whole milliseconds
+            start = time.perf_counter()
             await asyncio.sleep(period_s)
-            lag = max(0.0, loop.time() - start - period_s)
+            lag = max(0.0, time.perf_counter() - start - period_s)
             self.loop_lag_s = 0.8 * self.loop_lag_s + 0.2 * lag
 
     def successor_of(self, served: ServedModel) -> ServedModel:
@@ -101,22 +100,22 @@ def _decode(body: bytes) -> Any:
         raise HTTPError(400, f"malformed JSON: {exc}") from None
 
 
-async def _predict(state: ServerState, served: ServedModel, array: np.ndarray,
-                   params: dict[str, Any]) -> tuple[np.ndarray, ServedModel]:
-    """The output and the version that computed it (which the response must name)."""
+async def _predict(state: ServerState, served: ServedModel, array: np.ndarray, params: dict[str, Any],
+                   start: float) -> tuple[np.ndarray, ServedModel]:
+    """The output and the version that computed it (which the response must name). ``start``: when the
+    request's handling began, less the event loop's lag then (its wait before any handler ran)."""
     try:
-        return await _predict_once(state, served, array, params), served
+        return await _predict_once(state, served, array, params, start), served
     except Replaced:
         # The version was swapped while this request was being read: its successor answers it, so a
         # hot reload fails nothing. (A request that named this exact version finds it gone: 404.)
         successor = state.successor_of(served)
-        return await _predict_once(state, successor, array, params), successor
+        return await _predict_once(state, successor, array, params, start), successor
 
 
-async def _predict_once(state: ServerState, served: ServedModel, array: np.ndarray,
-                        params: dict[str, Any]) -> np.ndarray:
+async def _predict_once(state: ServerState, served: ServedModel, array: np.ndarray, params: dict[str, Any],
+                        start: float) -> np.ndarray:
     stats = served.stats
-    start = time.perf_counter()
     try:
         if state.cache.enabled:
             key = cache_key(served.content_id, array, params)
@@ -195,16 +194,34 @@ class InferenceFrontend:
         return slots[0].current
 
     async def _infer(self, scope: dict[str, Any], receive: Any, name: str, version: str | None) -> bytes:
-        start = time.perf_counter()
         state, served = self.state, self._model(name, version)
-        predict = (name, version) == _PREDICT
+        start = time.perf_counter() - state.loop_lag_s  # the loop's lag: how long the request waited unseen
         try:  # refuse before reading the body: under overload a refusal must cost as little as possible
-            served.batcher.admit(1, extra_delay_s=state.loop_lag_s)
+            served.batcher.admit(1)
         except Replaced:
             pass  # swapped out meanwhile: _predict hands the request to the successor
         except Overloaded as exc:
             served.stats.failure("overloaded")
             raise HTTPError(503, f"overloaded: {exc}; retry later", {"Retry-After": "1"}) from None
+        guard = served.batcher.guard
+        if guard is None:
+            return await self._answer(scope, receive, served, (name, version) == _PREDICT, start)
+        if not guard.enter():
+            served.stats.failure("overloaded")
+            raise HTTPError(503, f"overloaded: {guard.limit} requests in flight, the most that keep p99 under "
+                            f"the {guard.slo_s * 1e3:g} ms SLO; retry later", {"Retry-After": "1"})
+        latency = None
+        try:
+            payload = await self._answer(scope, receive, served, (name, version) == _PREDICT, start)
+            latency = time.perf_counter() - start
+            return payload
+        finally:
+            guard.leave(latency)
+            served.stats.admission_limit.set(guard.limit)
+
+    async def _answer(self, scope: dict[str, Any], receive: Any, served: ServedModel, predict: bool,
+                      start: float) -> bytes:
+        state = self.state
         body = await _read_body(scope, receive, state.max_body_bytes)
         key = raw_key(served.content_id, scope["path"], body) if state.cache.enabled else None
         cached = state.cache.get(key) if key is not None else None
@@ -221,7 +238,7 @@ class InferenceFrontend:
         except BadRequest as exc:
             served.stats.failure("bad_request")
             raise HTTPError(400, str(exc)) from None
-        output, answered_by = await _predict(state, served, array, params)
+        output, answered_by = await _predict(state, served, array, params, start)
         if predict:
             answer = {"model_name": answered_by.name, "model_version": str(answered_by.number), "outputs": output}
         else:

@@ -4,8 +4,9 @@ Requests queue per model version. A request that finds the model idle is dispatc
 that arrive while a batch runs wait for it to finish, then for at most ``max_delay`` from the oldest
 arrival, and go as one batch of up to the target size. With an SLO, the target is the largest batch
 whose predicted cost fits in half the SLO, from a cost model ``cost(n) = a*n + b`` fitted online to the
-measured batch times; a request whose predicted completion would miss the SLO is refused at once
-(``Overloaded``) instead of queued. A failing batch is retried one request at a time, so one bad
+measured batch times; a request whose predicted completion would miss the SLO is refused
+at once (``Overloaded``) instead of queued, and ``LatencyGuard`` caps the requests in flight at what
+keeps the measured p99 under the SLO. A failing batch is retried one request at a time, so one bad
 request fails alone.
 """
 
@@ -81,6 +82,59 @@ class CostModel:
         return None if found is None else found[0] * rows + found[1]
 
 
+class LatencyGuard:
+    """Keeps the p99 of admitted requests under the SLO by capping how many are in the server at once.
+
+    The queue-based prediction in ``DynamicBatcher.admit`` cannot see all of a request's latency (HTTP
+    work, the kernel's socket queues, thread hand-offs), so under overload requests admitted on it alone
+    finish past the SLO. The guard measures instead: admitted requests in flight are capped at ``limit``,
+    and each window (``period_s`` and at least ``min_samples`` answers) adjusts it, AIMD as TCP does:
+    a p99 over ``high`` x SLO cuts the limit by ``cut``; a p99 under ``low`` x SLO while the limit was
+    reached grows it by ``step`` (at least 1). By Little's law the cap bounds the wait. The limit never
+    goes under ``min_limit``, so a full batch can always form."""
+
+    def __init__(self, slo_s: float, limit: int, min_limit: int, max_limit: int, period_s: float = 0.2,
+                 min_samples: int = 20, high: float = 0.9, low: float = 0.7, cut: float = 0.8,
+                 step: float = 0.05) -> None:
+        self.slo_s, self.limit, self.min_limit, self.max_limit = slo_s, limit, min_limit, max_limit
+        self.period_s, self.min_samples = period_s, min_samples
+        self.high, self.low, self.cut, self.step = high, low, cut, step
+        self.in_flight = 0
+        self._reached = False
+        self._seen: list[float] = []
+        self._window_start = time.perf_counter()
+
+    def enter(self) -> bool:
+        """Admit one request (True) or refuse it (False: the cap is reached)."""
+        self.tick()
+        if self.in_flight >= self.limit:
+            self._reached = True
+            return False
+        self.in_flight += 1
+        return True
+
+    def leave(self, seconds: float | None) -> None:
+        """An admitted request is done; ``seconds``: its latency, None when it failed."""
+        self.in_flight -= 1
+        if seconds is not None:
+            self._seen.append(seconds)
+
+    def tick(self, now: float | None = None) -> None:
+        """Close the window if it is due."""
+        now = time.perf_counter() if now is None else now
+        elapsed = now - self._window_start
+        if elapsed < self.period_s or (len(self._seen) < self.min_samples and elapsed < 5 * self.period_s):
+            return
+        p99 = sorted(self._seen)[int(0.99 * len(self._seen))] if self._seen else 0.0
+        if p99 > self.high * self.slo_s:
+            self.limit = max(self.min_limit, int(self.limit * self.cut))
+        elif p99 < self.low * self.slo_s and self._reached:
+            self.limit = min(self.max_limit, self.limit + max(1, int(self.limit * self.step)))
+        self._seen.clear()
+        self._reached = False
+        self._window_start = now
+
+
 class DynamicBatcher:
     def __init__(self, runtime: Runtime, *, stats: ModelStats, max_batch_size: int, max_delay_s: float,
                  queue_limit: int, slo_s: float | None, timeout_s: float) -> None:
@@ -88,6 +142,9 @@ class DynamicBatcher:
         self.max_batch_size, self.max_delay_s = max_batch_size, max_delay_s
         self.queue_limit, self.slo_s, self.timeout_s = queue_limit, slo_s, timeout_s
         self.cost_model = CostModel()
+        self.guard = None if slo_s is None else LatencyGuard(
+            slo_s, limit=min(queue_limit, 4 * max_batch_size), min_limit=min(queue_limit, max_batch_size),
+            max_limit=queue_limit)
         self.executions = 0
         self._queue: deque[_Pending] = deque()
         self._queued_rows = 0
@@ -119,10 +176,9 @@ class DynamicBatcher:
         running = max(0.0, (self._busy_until or 0.0) - time.perf_counter())
         return running + batches_ahead * cost
 
-    def admit(self, rows: int = 1, extra_delay_s: float = 0.0) -> None:
+    def admit(self, rows: int = 1) -> None:
         """Raise ``Overloaded`` now if a request of ``rows`` cannot be queued or would miss the SLO.
 
-        ``extra_delay_s`` is delay the batcher cannot see (the server's own backlog before the handler).
         Cheap enough to call before the request body is even read.
         """
         if self._closing:
@@ -130,7 +186,7 @@ class DynamicBatcher:
         if len(self._queue) >= self.queue_limit:
             raise Overloaded(f"queue full ({self.queue_limit} requests)")
         if self.slo_s is not None:
-            predicted = (self.predicted_latency(rows) or 0.0) + extra_delay_s
+            predicted = self.predicted_latency(rows) or 0.0
             if predicted > self.slo_s:
                 raise Overloaded(f"would finish in ~{predicted * 1e3:.0f} ms, past the {self.slo_s * 1e3:.0f} ms SLO")
 

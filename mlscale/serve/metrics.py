@@ -42,6 +42,9 @@ class ServerMetrics:
                                  registry=r)
         self.batch_target = Gauge("mlscale_batch_target", "Batch size the SLO controller aims for", labels,
                                   registry=r)
+        self.admission_limit = Gauge("mlscale_admission_limit",
+                                     "Most admitted requests in flight, set to keep p99 under --slo-ms", labels,
+                                     registry=r)
         self.model_loaded = Gauge("mlscale_model_loaded", "1 for each loaded model version", labels, registry=r)
 
     def render(self) -> bytes:
@@ -66,6 +69,7 @@ class ModelStats:
         self.queue_depth = metrics.queue_depth.labels(*labels)
         self.batch_target = metrics.batch_target.labels(*labels)
         self.loaded = metrics.model_loaded.labels(*labels)
+        self.admission_limit = metrics.admission_limit.labels(*labels)
         self._failures: dict[str, object] = {}
 
     def failure(self, reason: str) -> None:

@@ -42,8 +42,11 @@ def serve(uris: list[str], *, host: str = "127.0.0.1", port: int = 8000, options
           log_level: str = "warning") -> None:
     state = build_state(uris, options or ServeOptions(), registry_location, max_body_bytes)
     logging.basicConfig(level=logging.WARNING, format="mlscale serve: %(message)s")
+    # No proxy-header rewriting (nothing here reads the client address) and no Server/Date headers:
+    # per-request work the hot path does not need.
     config = uvicorn.Config(build_app(state), host=host, port=port, log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=30, lifespan="on")
+                            timeout_graceful_shutdown=30, lifespan="on", proxy_headers=False,
+                            server_header=False, date_header=False)
     print(f"mlscale serve: {', '.join(uris)} on http://{host}:{port} (Open Inference Protocol v2, /predict, "
           "/metrics)", file=sys.stderr, flush=True)
     _GracefulServer(config, state).run()

@@ -6,7 +6,7 @@ import time
 import numpy as np
 import pytest
 
-from mlscale.serve.batcher import DynamicBatcher, Overloaded
+from mlscale.serve.batcher import DynamicBatcher, LatencyGuard, Overloaded
 from mlscale.serve.cache import ResponseCache, cache_key
 from mlscale.serve.metrics import ModelStats, ServerMetrics
 
@@ -163,3 +163,35 @@ def test_failures_are_not_cached():
         return cache
 
     assert len(asyncio.run(scenario())) == 0
+
+
+def test_the_latency_guard_cuts_the_in_flight_limit_when_p99_runs_over_the_slo_and_regrows_it():
+    guard = LatencyGuard(slo_s=0.05, limit=100, min_limit=10, max_limit=200, period_s=0.2, min_samples=5)
+    now = guard._window_start
+    assert all(guard.enter() for _ in range(100)) and not guard.enter()  # the cap holds
+    for _ in range(100):
+        guard.leave(0.08)  # every admitted request finished past the SLO
+    now += 0.25
+    guard.tick(now)
+    assert guard.limit == 80
+    for _ in range(30):  # still over: cut again and again, never under min_limit
+        for _ in range(5):
+            guard.enter()
+            guard.leave(0.2)
+        now += 0.25
+        guard.tick(now)
+    assert guard.limit == 10
+    for _ in range(40):  # under the SLO while the cap is reached: grow back, never past max_limit
+        while guard.enter():
+            pass
+        for _ in range(guard.in_flight):
+            guard.leave(0.01)
+        now += 0.25
+        guard.tick(now)
+    assert guard.limit > 50
+    limit = guard.limit
+    for _ in range(5):  # under the SLO but the cap never reached: no reason to grow
+        guard.enter()
+        guard.leave(0.01)
+    guard.tick(now + 0.25)
+    assert guard.limit == limit and guard.in_flight == 0
