@@ -2,8 +2,9 @@
 
 - ``litserve``: LitServe with batching on, as its docs recommend (``max_batch_size``, ``batch_timeout``);
 - ``fastapi``: a plain FastAPI endpoint that runs the model once per request;
-- ``noop``: a Starlette endpoint that parses the JSON body and returns a fixed answer of the same size
-  as a model's, the floor for any HTTP JSON server here.
+- ``noop``: a bare ASGI endpoint on uvicorn (the stack mlscale's inference routes run on) that parses
+  the JSON body and returns a fixed answer of the same size as a model's: the floor for any HTTP JSON
+  server here.
 
 All run the same ONNX file with onnxruntime on 1 thread. Usage:
 ``python -m mlscale.bench.anchors KIND ONNX_PATH PORT [MAX_BATCH] [BATCH_TIMEOUT_S]``.
@@ -50,20 +51,25 @@ def run_fastapi(path: str, port: int) -> None:
 def run_noop(port: int) -> None:
     import orjson
     import uvicorn
-    from starlette.applications import Starlette
-    from starlette.requests import Request
-    from starlette.responses import Response
-    from starlette.routing import Route
 
-    answer = {"model_name": "noop", "model_version": "1", "outputs": [
-        {"name": "output", "shape": [1, 10], "datatype": "FP32", "data": [0.123456789] * 10}]}
+    answer = orjson.dumps({"model_name": "noop", "model_version": "1", "outputs": [
+        {"name": "output", "shape": [1, 10], "datatype": "FP32", "data": [0.123456789] * 10}]})
+    head = {"type": "http.response.start", "status": 200,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(answer)).encode())]}
 
-    async def noop(request: Request) -> Response:  # same JSON library and server stack as mlscale serve
-        orjson.loads(await request.body())
-        return Response(orjson.dumps(answer), media_type="application/json")
+    async def noop(scope: dict, receive, send) -> None:  # the same server stack as mlscale's inference routes
+        if scope["type"] != "http":
+            return
+        body, more = b"", True
+        while more:
+            message = await receive()
+            body, more = body + message.get("body", b""), message.get("more_body", False)
+        orjson.loads(body)
+        await send(head)
+        await send({"type": "http.response.body", "body": answer})
 
-    app = Starlette(routes=[Route("/noop", noop, methods=["POST"])])
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+    uvicorn.run(noop, host="127.0.0.1", port=port, log_level="warning", access_log=False, lifespan="off",
+                proxy_headers=False, server_header=False, date_header=False)
 
 
 if __name__ == "__main__":
