@@ -16,7 +16,7 @@ import numpy as np
 
 from mlscale.registry import ModelVersion, Registry, parse_uri
 from mlscale.serve.batcher import DynamicBatcher
-from mlscale.serve.metrics import ModelStats, ServerMetrics
+from mlscale.serve.metrics import ServerMetrics
 from mlscale.serve.runtime import Runtime, TensorSpec, load_runtime
 
 log = logging.getLogger("mlscale.serve")
@@ -50,7 +50,7 @@ class ServedModel:
         artifact = version.artifacts.get("model.onnx" if runtime.kind == "onnx" else "model.safetensors")
         self.content_id = f"{runtime.kind}:{artifact.sha256 if artifact else version.uri}"
         self.labels = (self.name, str(self.number))
-        self.stats = ModelStats(metrics, *self.labels)
+        self.stats = metrics.stats_for(*self.labels)
         self.batcher = DynamicBatcher(runtime, stats=self.stats,
                                       max_batch_size=options.max_batch_size, max_delay_s=options.max_delay_ms / 1e3,
                                       queue_limit=options.queue_limit,

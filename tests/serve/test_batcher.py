@@ -8,7 +8,7 @@ import pytest
 
 from mlscale.serve.batcher import DynamicBatcher, LatencyGuard, Overloaded
 from mlscale.serve.cache import ResponseCache, cache_key
-from mlscale.serve.metrics import ModelStats, ServerMetrics
+from mlscale.serve.metrics import ServerMetrics
 
 
 class Doubler:
@@ -28,7 +28,7 @@ class Doubler:
 
 
 def make(runtime, **overrides):
-    options = dict(stats=ModelStats(ServerMetrics(), "m", "1"), max_batch_size=8, max_delay_s=0.002, queue_limit=64,
+    options = dict(stats=ServerMetrics().stats_for("m", "1"), max_batch_size=8, max_delay_s=0.002, queue_limit=64,
                    slo_s=None, timeout_s=10.0)
     options.update(overrides)
     return DynamicBatcher(runtime, **options)
