@@ -51,7 +51,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overload-rate", type=float, default=None,
                    help="offered rate of the overload check (default: 2x mlscale's measured goodput)")
     p.add_argument("--max-batch-size", type=int, default=64)
-    p.add_argument("--max-delay-ms", type=float, default=2.0)
+    p.add_argument("--max-delay-ms", type=float, default=10.0,
+                   help="mlscale --max-delay-ms and LitServe batch_timeout, the same for both (default 10)")
 
 
 def _free_port() -> int:

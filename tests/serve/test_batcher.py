@@ -195,3 +195,19 @@ def test_the_latency_guard_cuts_the_in_flight_limit_when_p99_runs_over_the_slo_a
         guard.leave(0.01)
     guard.tick(now + 0.25)
     assert guard.limit == limit and guard.in_flight == 0
+
+
+def test_under_concurrent_load_an_arrival_to_an_empty_queue_waits_for_batch_mates():
+    async def scenario():
+        runtime = Doubler()
+        batcher = make(runtime, max_delay_s=0.2)
+        await asyncio.gather(*(batcher.submit(rows(i)) for i in range(4)))  # concurrent: one batch of 4
+        first = asyncio.ensure_future(batcher.submit(rows(10)))  # finds the queue empty, right after it
+        await asyncio.sleep(0.02)
+        rest = [asyncio.ensure_future(batcher.submit(rows(i))) for i in (11, 12)]
+        await asyncio.gather(first, *rest)
+        await batcher.close()
+        return runtime.batches
+
+    batches = asyncio.run(scenario())
+    assert batches[0] == 4 and batches[1:] == [3]  # held for its batch-mates, not sent alone
