@@ -50,6 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checks", default="goodput,overload,cache", help="which parts to run (default all)")
     p.add_argument("--overload-rate", type=float, default=None,
                    help="offered rate of the overload check (default: 2x mlscale's measured goodput)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="goodput searches per system, taking turns; the median is reported (default 3)")
     p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--max-delay-ms", type=float, default=10.0,
                    help="mlscale --max-delay-ms and LitServe batch_timeout, the same for both (default 10)")
@@ -236,6 +238,33 @@ def _log(name: str, result: dict[str, Any]) -> None:
           f"{'ok' if result['meets_slo'] else 'MISS'}", file=sys.stderr, flush=True)
 
 
+def measure_goodputs(model: dict[str, Any], systems: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    """Goodput of each system and the offline ceiling, ``--repeats`` times side by side (the systems
+    take turns within each repeat); medians are the results, every repeat is kept."""
+    offline: list[float] = []
+    runs: dict[str, list[dict[str, Any]]] = {system: [] for system in systems}
+    for repeat in range(args.repeats):
+        offline.append(offline_ceiling(model["onnx"], model["rows"], args.max_batch_size))
+        for system in systems:
+            if args.repeats > 1:
+                print(f" repeat {repeat + 1}/{args.repeats}, {system}", file=sys.stderr, flush=True)
+            server = start_server(system, model, args)
+            try:
+                goodput, trials = find_goodput(server, args, _log)
+            finally:
+                server.stop()
+            runs[system].append({"goodput": goodput, "trials": trials})
+    row: dict[str, Any] = {"systems": {}, "offline_items_per_s": float(np.median(offline)),
+                           "offline_per_repeat": offline}
+    for system, repeats in runs.items():
+        goodputs = [r["goodput"] for r in repeats]
+        median = float(np.median(goodputs))
+        closest = min(repeats, key=lambda r: abs(r["goodput"] - median))  # its trials draw the curve
+        row["systems"][system] = {"goodput": median, "goodput_per_repeat": goodputs, "trials": closest["trials"],
+                                  "repeats": repeats}
+    return row
+
+
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     names = [m for m in args.models.split(",") if m]
     systems = [s for s in args.systems.split(",") if s]
@@ -246,15 +275,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             model = prepared[name]
             print(f"{name}:", file=sys.stderr, flush=True)
             checks = args.checks.split(",")
-            row: dict[str, Any] = {"systems": {}, "offline_items_per_s": offline_ceiling(
-                model["onnx"], model["rows"], args.max_batch_size)}
-            for system in systems if "goodput" in checks else []:
-                server = start_server(system, model, args)
-                try:
-                    goodput, trials = find_goodput(server, args, _log)
-                finally:
-                    server.stop()
-                row["systems"][system] = {"goodput": goodput, "trials": trials}
+            row = measure_goodputs(model, systems if "goodput" in checks else [], args)
             if "overload" in checks:
                 rate = args.overload_rate or 2 * row["systems"]["mlscale"]["goodput"]
                 row["overload"] = overload_check(model, args, rate)
@@ -267,7 +288,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "how": (f"open-loop Poisson load (mlscale/bench/loadgen.py: bare asyncio protocols on uvloop, keeps up with "
                 f"~18,000 requests/s on one core), latency from the intended send time, {args.warmup_s:g} s warm-up "
                 f"discarded "
-                f"+ {args.duration_s:g} s measured per trial; goodput = highest offered rate with p99 <= "
+                f"+ {args.duration_s:g} s measured per trial; goodput (median of {args.repeats} searches per system, "
+                f"systems taking turns) = highest offered rate with p99 <= "
                 f"{args.slo_ms:g} ms, < 0.1% errors and generator lag p99 <= 10% of the SLO (doubling, then "
                 f"{args.bisect} bisections); server pinned to CPU {SERVER_CPU}, load generator to CPU {LOADGEN_CPU};"
                 f" onnxruntime 1 thread everywhere; mlscale --max-batch-size {args.max_batch_size} --max-delay-ms "
@@ -356,10 +378,15 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    from mlscale.errors import UsageError
+
+    if args.repeats < 1:
+        raise UsageError(f"bad value repeats={args.repeats}: must be >= 1")
     results = run_benchmark(args)
     json_path, png_path = write_results(args.out, "serve", results, plot)
     for name, row in results["models"].items():
-        goodputs = ", ".join(f"{s} {d['goodput']:,.0f}/s" for s, d in row["systems"].items())
+        runs = {s: ", ".join(f"{g:,.0f}" for g in d["goodput_per_repeat"]) for s, d in row["systems"].items()}
+        goodputs = ", ".join(f"{s} {d['goodput']:,.0f}/s (runs: {runs[s]})" for s, d in row["systems"].items())
         ratios = {k: round(v, 3) for k, v in row.get("ratios", {}).items() if v}
         print(f"{name}: goodput at p99 <= {results['slo_ms']:g} ms: {goodputs}; offline "
               f"{row['offline_items_per_s']:,.0f} items/s; ratios {json.dumps(ratios)}")
