@@ -42,12 +42,14 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_server(registry: str, *args: str, ready_timeout: float = 60):
-    """``mlscale serve ARGS`` in its own process on a free port; yields (base URL, process)."""
+def running_server(registry: str, *args: str, ready_timeout: float = 60, cpus: set[int] | None = None):
+    """``mlscale serve ARGS`` in its own process on a free port (pinned to ``cpus`` if given);
+    yields (base URL, process)."""
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "mlscale", "serve", *args, "--port", str(port),
                                 "--registry", registry], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                               text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                               preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + ready_timeout
     try:

@@ -9,7 +9,7 @@ import time
 import httpx
 import numpy as np
 
-from mlscale.registry import Registry
+from mlscale.registry import Registry, load_torch_model
 from tests.serve.conftest import infer_body, metric, running_server
 
 
@@ -123,3 +123,25 @@ def test_after_a_version_change_the_cache_never_answers_with_the_old_version(ser
             assert metric(base, "mlscale_cache_num_misses_per_model_total", model="digits", version="2") == 1
     finally:
         registry.set_alias("digits", 1, "production")
+
+
+def test_on_one_core_batches_run_inline_and_every_concurrent_request_gets_its_own_answer(serve_registry):
+    """Pinned to one core (and without an SLO) the server runs every batch on its event loop."""
+    rng = np.random.default_rng(3)
+    rows = rng.random((60, 64), dtype=np.float32)
+    with running_server(serve_registry, "models:/slow/1", "models:/digits/1", "--cache-mb", "0",
+                        "--max-delay-ms", "20", cpus={0}) as (base, _):
+        slow = asyncio.run(_post_many(f"{base}/v2/models/slow/infer", [infer_body([r.tolist()]) for r in rows]))
+        digits = asyncio.run(_post_many(f"{base}/v2/models/digits/infer", [infer_body([r.tolist()]) for r in rows]))
+        singles = [httpx.post(f"{base}/v2/models/slow/infer", json=infer_body([r.tolist()])) for r in rows[:3]]
+        batches = metric(base, "mlscale_inference_exec_count_total", model="slow", version="1")
+    for responses in (slow, digits, singles):
+        assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200]
+    registry = Registry(serve_registry)
+    import torch
+
+    model = load_torch_model(registry, registry.get_version("slow", 1))
+    expected = model(torch.from_numpy(rows)).detach().numpy()
+    got = np.array([r.json()["outputs"][0]["data"] for r in slow])
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
+    assert batches < 60 + 3  # the 60 concurrent requests shared batches
