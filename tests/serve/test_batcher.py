@@ -199,8 +199,10 @@ def test_the_latency_guard_cuts_the_in_flight_limit_when_p99_runs_over_the_slo_a
 
 def test_under_concurrent_load_an_arrival_to_an_empty_queue_waits_for_batch_mates():
     async def scenario():
-        runtime = Doubler()
+        runtime = Doubler(delay_s=0.002)  # a fixed cost per batch worth sharing
         batcher = make(runtime, max_delay_s=0.2)
+        for _ in range(3):  # let the cost model see it
+            await batcher.submit(rows(0))
         await asyncio.gather(*(batcher.submit(rows(i)) for i in range(4)))  # concurrent: one batch of 4
         first = asyncio.ensure_future(batcher.submit(rows(10)))  # finds the queue empty, right after it
         await asyncio.sleep(0.02)
@@ -210,4 +212,20 @@ def test_under_concurrent_load_an_arrival_to_an_empty_queue_waits_for_batch_mate
         return runtime.batches
 
     batches = asyncio.run(scenario())
-    assert batches[0] == 4 and batches[1:] == [3]  # held for its batch-mates, not sent alone
+    assert batches[3] == 4 and batches[4:] == [3]  # held for its batch-mates, not sent alone
+
+
+def test_a_model_whose_batches_cost_next_to_nothing_never_holds_requests_back():
+    async def scenario():
+        runtime = Doubler()  # microseconds a batch: nothing to gain from waiting
+        batcher = make(runtime, max_delay_s=0.2)
+        for _ in range(300):  # until the cost model forgets the first batches' thread hand-offs
+            await batcher.submit(rows(0))
+        await asyncio.gather(*(batcher.submit(rows(i)) for i in range(4)))
+        start = time.perf_counter()
+        await batcher.submit(rows(10))
+        elapsed = time.perf_counter() - start
+        await batcher.close()
+        return elapsed
+
+    assert asyncio.run(scenario()) < 0.1
