@@ -145,7 +145,6 @@ class _Generator:
         self.idle = list(await asyncio.gather(*(self._connect() for _ in range(self.connections))))
         start = _clock() + 0.05
         offsets, count, next_index = self.offsets, len(self.offsets), 0
-        self.intended_start = start
         while next_index < count:
             now = _clock()
             while next_index < count and start + offsets[next_index] <= now:

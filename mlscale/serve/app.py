@@ -195,6 +195,7 @@ class InferenceFrontend:
 
     async def _infer(self, scope: dict[str, Any], receive: Any, name: str, version: str | None) -> bytes:
         state, served = self.state, self._model(name, version)
+        predict = (name, version) == _PREDICT
         start = time.perf_counter() - state.loop_lag_s  # the loop's lag: how long the request waited unseen
         try:  # refuse before reading the body: under overload a refusal must cost as little as possible
             served.batcher.admit(1)
@@ -205,14 +206,14 @@ class InferenceFrontend:
             raise HTTPError(503, f"overloaded: {exc}; retry later", {"Retry-After": "1"}) from None
         guard = served.batcher.guard
         if guard is None:
-            return await self._answer(scope, receive, served, (name, version) == _PREDICT, start)
+            return await self._answer(scope, receive, served, predict, start)
         if not guard.enter():
             served.stats.failure("overloaded")
             raise HTTPError(503, f"overloaded: {guard.limit} requests in flight, the most that keep p99 under "
                             f"the {guard.slo_s * 1e3:g} ms SLO; retry later", {"Retry-After": "1"})
         latency = None
         try:
-            payload = await self._answer(scope, receive, served, (name, version) == _PREDICT, start)
+            payload = await self._answer(scope, receive, served, predict, start)
             latency = time.perf_counter() - start
             return payload
         finally:

@@ -278,9 +278,9 @@ class DynamicBatcher:
     async def _run(self, array: np.ndarray) -> np.ndarray:
         loop = asyncio.get_running_loop()
         start = time.perf_counter()
-        self._busy_until = start + (self.cost_model.cost(len(array)) or 0.0)
+        predicted = self.cost_model.cost(len(array))
+        self._busy_until = start + (predicted or 0.0)
         try:
-            predicted = self.cost_model.cost(len(array))
             if (ONE_CORE and self.slo_s is None) or (predicted is not None and predicted < INLINE_BELOW_S):
                 output = self.runtime.run(array)
             else:
