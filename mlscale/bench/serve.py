@@ -31,6 +31,14 @@ from mlscale.bench.machine import machine_info
 from mlscale.bench.report import pyplot, save_figure, write_results
 
 SERVER_CPU, LOADGEN_CPU = 0, 1
+# Persistent connections the load generator opens before a trial (it opens more if all are busy).
+# Enough that connection set-up stays out of the measurement: with 64, a burst at ~4,800 requests/s on
+# the 2048-wide MLP (~80 requests in flight on average) had the generator open a few hundred new
+# connections per trial, and each costs the server an accept and a protocol object; a burst of them
+# fed on itself into a p99 of ~400 ms in one trial of eight. With 512 the same eight trials all kept
+# p99 under 40 ms. Every system gets the same pool, as a client with a connection pool (wrk, a load
+# balancer) would give it.
+POOL_CONNECTIONS = 512
 MODELS = {
     "digits-mlp": {"task": "digits", "options": {}, "steps": 50},
     "mlp-2048x3": {"task": "synthetic", "options": {"samples": 1024, "features": 64, "width": 2048, "depth": 3},
@@ -75,6 +83,7 @@ class Server:
     port: int
     path: str
     bodies: list[str]
+    idle_s: float = 0.0  # median latency of one request at a time on the idle server (set when ready)
 
     def stop(self) -> None:
         """Stop the server and every process it started (LitServe's workers outlive a plain SIGTERM
@@ -150,6 +159,13 @@ def start_server(kind: str, model: dict[str, Any], args: argparse.Namespace, *, 
     return server
 
 
+def _post(conn: Any, server: Server, body: str) -> int:
+    conn.request("POST", server.path, body=body, headers={"Content-Type": "application/json"})
+    response = conn.getresponse()
+    response.read()
+    return response.status
+
+
 def _wait_ready(server: Server, timeout: float = 120) -> None:
     import http.client
 
@@ -159,13 +175,14 @@ def _wait_ready(server: Server, timeout: float = 120) -> None:
             raise RuntimeError(f"{server.name} server exited with {server.process.returncode}")
         try:
             conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
-            conn.request("POST", server.path, body=server.bodies[0], headers={"Content-Type": "application/json"})
-            first = conn.getresponse()
-            first.read()
-            if first.status == 200:
-                for body in server.bodies[:50]:  # warm up
-                    conn.request("POST", server.path, body=body, headers={"Content-Type": "application/json"})
-                    conn.getresponse().read()
+            if _post(conn, server, server.bodies[0]) == 200:
+                times = []
+                for body in server.bodies[:50]:  # warm up; the last ones time the idle server
+                    start = time.perf_counter()
+                    _post(conn, server, body)
+                    times.append(time.perf_counter() - start)
+                server.idle_s = float(np.median(times[-20:]))
+                conn.close()
                 return
         except OSError:
             pass
@@ -173,15 +190,49 @@ def _wait_ready(server: Server, timeout: float = 120) -> None:
     raise RuntimeError(f"{server.name} server did not answer within {timeout} s")
 
 
+def wait_drained(server: Server, timeout: float = 120.0, in_a_row: int = 3) -> float:
+    """Wait until the server has worked off what an earlier trial left queued; returns the seconds waited.
+
+    A trial past capacity ends with a backlog (seconds of requests in the server's queue and the kernel's
+    socket buffers), which every server keeps computing after the load generator hangs up. A trial that
+    starts on top of it measures the backlog, not its own rate: a failed trial at 2x goodput then failed
+    the next, lower one too (the 2048-wide MLP: p99 642 ms at 4,600 requests/s right after a 5,000 trial,
+    27 ms when started idle). Drained = ``in_a_row`` single requests in a row answered 200 within twice
+    the idle latency plus 2 ms; every server queues first in, first out, so a probe waits behind any
+    backlog."""
+    import http.client
+
+    limit, start, good = 2 * server.idle_s + 0.002, time.perf_counter(), 0
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=timeout)
+    try:
+        while good < in_a_row and time.perf_counter() - start < timeout:
+            sent = time.perf_counter()
+            try:
+                status = _post(conn, server, server.bodies[0])
+            except (OSError, http.client.HTTPException):
+                conn.close()
+                conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=timeout)
+                status = 0
+            good = good + 1 if status == 200 and time.perf_counter() - sent <= limit else 0
+            if not good:
+                time.sleep(0.05)
+    finally:
+        conn.close()
+    return time.perf_counter() - start
+
+
 def trial(server: Server, rate: float, args: argparse.Namespace, bodies: list[str] | None = None) -> dict[str, Any]:
+    """One open-loop run at ``rate``, started on a drained server."""
+    drained_s = wait_drained(server)
     config = {"host": "127.0.0.1", "port": server.port, "path": server.path, "bodies": bodies or server.bodies,
               "rate": rate, "duration_s": args.duration_s, "warmup_s": args.warmup_s, "cpu": LOADGEN_CPU,
-              "connections": 64, "seed": int(rate)}
+              "connections": POOL_CONNECTIONS, "seed": int(rate)}
     output = subprocess.run([sys.executable, "-m", "mlscale.bench.loadgen"], input=json.dumps(config),
                             capture_output=True, text=True, timeout=args.duration_s + args.warmup_s + 60)
     if output.returncode != 0:
         raise RuntimeError(f"load generator failed: {output.stderr[-500:]}")
     result = json.loads(output.stdout)
+    result["waited_for_drain_s"] = round(drained_s, 3)
     slo = args.slo_ms
     result["generator_ok"] = result["generator_lag_ms"]["p99"] <= 0.1 * slo
     result["meets_slo"] = (result["latency_ms"]["p99"] <= slo and result["error_rate"] < 0.001
@@ -286,8 +337,9 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     results.update({
         "benchmark": "serving goodput at an SLO: mlscale vs LitServe (batching on) vs plain FastAPI vs offline",
         "how": (f"open-loop Poisson load (mlscale/bench/loadgen.py: bare asyncio protocols on uvloop, keeps up with "
-                f"~18,000 requests/s on one core), latency from the intended send time, {args.warmup_s:g} s warm-up "
-                f"discarded "
+                f"~18,000 requests/s on one core; {POOL_CONNECTIONS} persistent connections opened first, more if all "
+                f"are busy), latency from the intended send time, each trial started on a drained server, "
+                f"{args.warmup_s:g} s warm-up discarded "
                 f"+ {args.duration_s:g} s measured per trial; goodput (median of {args.repeats} searches per system, "
                 f"systems taking turns) = highest offered rate with p99 <= "
                 f"{args.slo_ms:g} ms, < 0.1% errors and generator lag p99 <= 10% of the SLO (doubling, then "

@@ -12,7 +12,7 @@ def test_loadgen_measures_a_real_server(serve_registry):
         port = int(base.rsplit(":", 1)[1])
         config = {"host": "127.0.0.1", "port": port, "path": "/v2/models/digits/infer",
                   "bodies": [json.dumps(infer_body([[0.1 * i] * 64])) for i in range(5)] + ["{bad json"],
-                  "rate": 120, "duration_s": 1.0, "warmup_s": 0.3, "connections": 4}
+                  "rate": 120, "duration_s": 1.0, "warmup_s": 0.3, "connections": 4, "timeline": True}
         output = subprocess.run([sys.executable, "-m", "mlscale.bench.loadgen", json.dumps(config)],
                                 capture_output=True, text=True, timeout=60)
         assert output.returncode == 0, output.stderr
@@ -21,3 +21,7 @@ def test_loadgen_measures_a_real_server(serve_registry):
     assert set(result["statuses"]) == {"200", "400"}  # one body in six is malformed
     assert 0.05 < result["error_rate"] < 0.35
     assert 0 < result["latency_ms"]["p50"] <= result["latency_ms"]["p99"] < 1000
+    timeline = result["timeline"]  # (intended send time, latency) of every answered request
+    assert len(timeline) == result["ok"]
+    assert all(0.3 <= sent < 1.3 and latency > 0 for sent, latency in timeline)
+    assert max(latency for _, latency in timeline) == round(result["latency_ms"]["max"], 3)
