@@ -20,6 +20,10 @@ class BadRequest(Exception):
     pass
 
 
+# The largest finite value of each float dtype a model may take.
+_FLOAT_MAX = {np.dtype(t): float(np.finfo(t).max) for t in (np.float16, np.float32, np.float64)}
+
+
 def _as_array(data: Any, spec: TensorSpec, shape: list[int]) -> np.ndarray:
     if not isinstance(data, list):
         raise BadRequest("'data' must be a list of numbers")
@@ -27,23 +31,30 @@ def _as_array(data: Any, spec: TensorSpec, shape: list[int]) -> np.ndarray:
         array = np.asarray(data)
     except (ValueError, TypeError):
         raise BadRequest("'data' must be a flat (or evenly nested) list of numbers") from None
-    if array.dtype.kind not in "biuf" or (array.dtype.kind == "b" and spec.datatype != "BOOL"):
+    kind, dtype = array.dtype.kind, spec.dtype
+    if kind not in "biuf" or (kind == "b" and spec.datatype != "BOOL"):
         raise BadRequest(f"'data' must hold numbers for datatype {spec.datatype}")
     if array.size != math.prod(shape):
         raise BadRequest(f"'data' has {array.size} values but shape {shape} needs {math.prod(shape)}")
+    if kind == "f" and dtype.kind == "f":
+        # JSON numbers (float64) into a float model, the usual case: one range check before the cast
+        # (NaN fails it too), so the cast cannot overflow (no np.errstate needed).
+        if not np.abs(array).max() <= _FLOAT_MAX[dtype]:
+            raise BadRequest("'data' holds values that are not finite in " + spec.datatype)
+        return array.reshape(shape).astype(dtype)
     with np.errstate(all="ignore"):
-        converted = array.reshape(shape).astype(spec.dtype)
-    if spec.dtype.kind == "f" and not np.isfinite(converted).all():
+        converted = array.reshape(shape).astype(dtype)
+    if dtype.kind == "f" and not np.isfinite(converted).all():
         raise BadRequest("'data' holds values that are not finite in " + spec.datatype)
     return converted
 
 
 def check_shape(spec: TensorSpec, shape: Any) -> list[int]:
-    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape):
+    if type(shape) is not list or any(type(d) is not int for d in shape):  # JSON: no bools, no floats
         raise BadRequest("'shape' must be a list of integers")
-    expected = list(spec.shape)
+    expected = spec.shape
     if len(shape) != len(expected) or any(e != -1 and d != e for d, e in zip(shape, expected)):
-        raise BadRequest(f"input '{spec.name}' must have shape {expected} (-1: any batch size), got {shape}")
+        raise BadRequest(f"input '{spec.name}' must have shape {list(expected)} (-1: any batch size), got {shape}")
     if not 1 <= shape[0] <= MAX_ROWS:
         raise BadRequest(f"batch dimension must be between 1 and {MAX_ROWS}, got {shape[0]}")
     return shape

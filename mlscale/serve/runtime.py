@@ -7,6 +7,7 @@ inference mode). Both take and return numpy arrays whose first dimension is the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Protocol
 
 import numpy as np
@@ -58,7 +59,7 @@ class TensorSpec:
     datatype: str
     shape: tuple[int, ...]  # -1 for the batch dimension
 
-    @property
+    @cached_property  # read on every request
     def dtype(self) -> np.dtype:
         return np.dtype(V2_TO_NUMPY[self.datatype])
 

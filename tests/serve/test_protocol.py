@@ -7,6 +7,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mlscale.registry import Registry, load_torch_model
+from mlscale.serve.protocol import BadRequest, parse_v2
+from mlscale.serve.runtime import TensorSpec
 from tests.serve.conftest import infer_body, metric, running_server
 
 
@@ -112,3 +114,37 @@ def test_fuzzed_requests_never_break_the_server(server, body):
     response = httpx.post(f"{server}/v2/models/digits/infer", json=body)
     assert response.status_code in (200, 400), response.text
     assert ("outputs" in response.json()) == (response.status_code == 200)
+
+
+FP32 = TensorSpec("input", "FP32", (-1, 4))
+
+
+def _v2(data, shape=(1, 4), spec=FP32):
+    body = {"inputs": [{"name": spec.name, "shape": list(shape), "datatype": spec.datatype, "data": data}]}
+    return parse_v2(body, spec, TensorSpec("output", "FP32", (-1, 2)))[0]
+
+
+@pytest.mark.parametrize(("data", "text"), [
+    ([1e39, 0.0, 0.0, 0.0], "not finite in FP32"),  # representable in JSON, not in float32
+    ([0.0, 0.0, 0.0, -3.5e38], "not finite in FP32"),
+    ([True, False, True, True], "numbers"),  # booleans are not numbers for FP32
+    (["1.5", 0.0, 1.0, 2.0], "numbers"),
+    ([None, 0.0, 1.0, 2.0], "numbers"),
+    ([[1.0, 2.0], [3.0]], "evenly nested"),
+    ([1.0, 2.0, 3.0], "needs 4"),
+    ({"a": 1}, "list of numbers"),
+])
+def test_tensor_data_is_refused_unless_the_model_can_take_it(data, text):
+    with pytest.raises(BadRequest, match=text):
+        _v2(data)
+
+
+def test_tensor_data_is_converted_to_the_model_dtype():
+    array = _v2([1, 2.5, -0.0, 3.4e38])
+    assert array.dtype == np.float32 and array.shape == (1, 4)
+    assert array.tolist() == [[1.0, 2.5, 0.0, np.float32(3.4e38)]]
+    assert _v2([[1, 2], [3, 4]]).tolist() == [[1.0, 2.0, 3.0, 4.0]]  # nested rows, same values
+    as_int = _v2([1, 2, 3, 4], spec=TensorSpec("input", "INT64", (-1, 4)))
+    assert as_int.dtype == np.int64 and as_int.tolist() == [[1, 2, 3, 4]]
+    flags = _v2([True, False, True, True], spec=TensorSpec("input", "BOOL", (-1, 4)))
+    assert flags.dtype == np.bool_
