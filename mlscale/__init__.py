@@ -2,14 +2,33 @@
 
 The Python API is the real interface; the ``mlscale`` command is one of its users::
 
-    from mlscale import TrainConfig, train
+    from mlscale import TrainConfig, fit
     report = fit(TrainConfig(task="digits", workers=2, epochs=5, run_dir="runs/demo"))
+
+The training names are imported on first use: ``mlscale serve`` of an ONNX model never loads torch.
 """
 
-from mlscale.config import TrainConfig, build_config
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from mlscale.errors import MlscaleError, UsageError, WorkerFailed
-from mlscale.tasks import Task, TensorData
-from mlscale.train.launcher import fit
+
+if TYPE_CHECKING:
+    from mlscale.config import TrainConfig, build_config
+    from mlscale.tasks import Task, TensorData
+    from mlscale.train.launcher import fit
 
 __all__ = ["MlscaleError", "Task", "TensorData", "TrainConfig", "UsageError", "WorkerFailed", "build_config", "fit"]
 __version__ = "0.1.0"
+
+_LAZY = {"TrainConfig": "mlscale.config", "build_config": "mlscale.config", "Task": "mlscale.tasks",
+         "TensorData": "mlscale.tasks", "fit": "mlscale.train.launcher"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -18,7 +18,7 @@ import numpy as np
 
 
 def _session(path: str):
-    from mlscale.export.onnx import onnx_session
+    from mlscale.export.session import onnx_session
 
     return onnx_session(path, threads=1)
 

@@ -20,8 +20,6 @@ from typing import Any
 
 from mlscale.bench.machine import machine_info
 from mlscale.bench.report import pyplot, save_figure, write_results
-from mlscale.config import TrainConfig
-from mlscale.train.launcher import fit
 
 MODES = ("blocking", "async")
 
@@ -44,6 +42,8 @@ def _state_mb(width: int, depth: int, features: int = 64, classes: int = 10) -> 
 
 
 def run_once(args: argparse.Namespace, mode: str, scratch: Path) -> dict[str, float]:
+    from mlscale import TrainConfig, fit  # torch: loaded when a benchmark runs, not by every `mlscale` command
+
     config = TrainConfig(task="synthetic", task_options={"samples": 2048, "width": args.width, "depth": args.depth},
                          steps=args.steps, batch_size=32, lr=0.01, lr_schedule="constant",
                          checkpoint_every=args.every, keep_checkpoints=2, async_checkpoint=mode == "async",

@@ -46,7 +46,7 @@ def _time_calls(call: Any, calls: int) -> list[float]:
 def _prepare(scratch: Path) -> dict[str, tuple[Any, Any, Any]]:
     from mlscale import TrainConfig, fit
     from mlscale.export import export_version
-    from mlscale.export.onnx import onnx_session
+    from mlscale.export.session import onnx_session
     from mlscale.registry import Registry, load_torch_model, register_run
     from mlscale.registry.models import task_of
 

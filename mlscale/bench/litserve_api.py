@@ -15,7 +15,7 @@ class OnnxAPI(ls.LitAPI):
         self.path = path
 
     def setup(self, device: str) -> None:
-        from mlscale.export.onnx import onnx_session
+        from mlscale.export.session import onnx_session
 
         self.session = onnx_session(self.path, threads=1)
 

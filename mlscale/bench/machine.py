@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 import platform
 
-import torch
-
 
 def machine_info() -> dict[str, object]:
+    import torch  # not at import: the CLI imports the benchmarks to build its parser
+
     return {
         "cpu_cores": os.cpu_count(),
         "platform": platform.platform(),

@@ -264,7 +264,7 @@ def find_goodput(server: Server, args: argparse.Namespace, log: Any) -> tuple[fl
 
 def offline_ceiling(onnx_path: str, rows: np.ndarray, batch: int, seconds: float = 2.0) -> float:
     """Items/s of onnxruntime alone on one thread and one core, fixed batches, no HTTP: the upper bound."""
-    from mlscale.export.onnx import onnx_session
+    from mlscale.export.session import onnx_session
 
     previous = os.sched_getaffinity(0)
     _pin_server()

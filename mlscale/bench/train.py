@@ -19,8 +19,6 @@ from typing import Any
 
 from mlscale.bench.machine import machine_info
 from mlscale.bench.report import pyplot, save_figure, write_results
-from mlscale.config import TrainConfig
-from mlscale.train.launcher import fit
 
 WARMUP = 5
 
@@ -41,6 +39,8 @@ def _task(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run_ours(task: dict[str, Any], workers: int, steps: int, batch: int, scratch: Path) -> float:
+    from mlscale import TrainConfig, fit  # torch: loaded when a benchmark runs, not by every `mlscale` command
+
     config = TrainConfig(task=task["name"], task_options=task["options"], workers=workers, steps=steps,
                          batch_size=batch, lr=task["lr"], lr_schedule="constant", log_every=max(10, steps // 5),
                          run_dir=str(scratch / f"ours-{time.time_ns()}"), warmup_steps_for_throughput=WARMUP)

@@ -14,13 +14,13 @@ import tempfile
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
 
 from mlscale.errors import MlscaleError
+from mlscale.export.session import onnx_session
 from mlscale.registry.models import load_torch_model, task_of
 from mlscale.registry.store import Artifact, Registry
 
@@ -55,15 +55,6 @@ def export_onnx(model: nn.Module, sample: torch.Tensor, path: Path) -> None:
         except Exception as exc:
             raise ExportError(f"ONNX export failed: {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
     program.save(str(path))
-
-
-def onnx_session(path: Path, threads: int = 1) -> Any:
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    return ort.InferenceSession(str(path), sess_options=options, providers=["CPUExecutionProvider"])
 
 
 def _batches(total: int) -> list[int]:

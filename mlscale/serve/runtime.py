@@ -31,7 +31,7 @@ class OnnxRuntime:
     kind = "onnx"
 
     def __init__(self, path: str, threads: int = 1) -> None:
-        from mlscale.export.onnx import onnx_session
+        from mlscale.export.session import onnx_session
 
         self.session = onnx_session(path, threads=threads)
 

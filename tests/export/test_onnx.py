@@ -6,7 +6,7 @@ import torch
 
 from mlscale import TrainConfig, fit
 from mlscale.export import ExportError, export_version
-from mlscale.export.onnx import onnx_session
+from mlscale.export.session import onnx_session
 from mlscale.registry import Registry, load_torch_model, register_run
 from tests.helpers import run_cli
 

@@ -145,3 +145,14 @@ def test_on_one_core_batches_run_inline_and_every_concurrent_request_gets_its_ow
     got = np.array([r.json()["outputs"][0]["data"] for r in slow])
     np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5)
     assert batches < 60 + 3  # the 60 concurrent requests shared batches
+
+
+def test_a_server_of_onnx_models_never_loads_torch(serve_registry):
+    """Serving an ONNX model needs onnxruntime, not torch: start-up in a fraction of the time and a
+    smaller process (torch's libraries are most of a server's memory otherwise)."""
+    with running_server(serve_registry, "models:/digits@production") as (base, process):
+        assert httpx.post(f"{base}/v2/models/digits/infer", json=infer_body([[0.5] * 64])).status_code == 200
+        with open(f"/proc/{process.pid}/maps") as maps:
+            libraries = maps.read()
+    assert "onnxruntime" in libraries
+    assert "libtorch" not in libraries
