@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -177,7 +178,7 @@ def _wait_ready(server: Server, timeout: float = 120) -> None:
             conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=5)
             if _post(conn, server, server.bodies[0]) == 200:
                 times = []
-                for body in server.bodies[:50]:  # warm up; the last ones time the idle server
+                for body in itertools.islice(itertools.cycle(server.bodies), 50):  # warm up; the last 20 time it
                     start = time.perf_counter()
                     _post(conn, server, body)
                     times.append(time.perf_counter() - start)
@@ -198,26 +199,37 @@ def wait_drained(server: Server, timeout: float = 120.0, in_a_row: int = 3) -> f
     starts on top of it measures the backlog, not its own rate: a failed trial at 2x goodput then failed
     the next, lower one too (the 2048-wide MLP: p99 642 ms at 4,600 requests/s right after a 5,000 trial,
     27 ms when started idle). Drained = ``in_a_row`` single requests in a row answered 200 within twice
-    the idle latency plus 2 ms; every server queues first in, first out, so a probe waits behind any
-    backlog."""
+    the idle latency plus 2 ms. Every server here queues first in, first out, so a probe waits behind
+    any backlog (the goodput and overload servers run without a response cache, which would answer a
+    repeated probe ahead of the queue; the cache check starts a fresh server for every trial). Raises
+    ``RuntimeError`` if the server exits or is not drained within ``timeout``: a trial then would not
+    measure what it claims."""
     import http.client
 
     limit, start, good = 2 * server.idle_s + 0.002, time.perf_counter(), 0
-    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=timeout)
+    deadline = start + timeout
+    conn = None
     try:
-        while good < in_a_row and time.perf_counter() - start < timeout:
+        while good < in_a_row:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                raise RuntimeError(f"{server.name} server still busy {timeout:g} s after the previous trial")
+            if server.process.poll() is not None:
+                raise RuntimeError(f"{server.name} server exited with {server.process.returncode}")
+            if conn is None:
+                conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=left)
             sent = time.perf_counter()
             try:
                 status = _post(conn, server, server.bodies[0])
             except (OSError, http.client.HTTPException):
                 conn.close()
-                conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=timeout)
-                status = 0
+                conn, status = None, 0
             good = good + 1 if status == 200 and time.perf_counter() - sent <= limit else 0
             if not good:
                 time.sleep(0.05)
     finally:
-        conn.close()
+        if conn is not None:
+            conn.close()
     return time.perf_counter() - start
 
 

@@ -20,8 +20,16 @@ class BadRequest(Exception):
     pass
 
 
-# The largest finite value of each float dtype a model may take.
-_FLOAT_MAX = {np.dtype(t): float(np.finfo(t).max) for t in (np.float16, np.float32, np.float64)}
+# Per float dtype, the magnitude from which a float64 rounds to infinity when cast to it (the largest
+# finite value plus half a unit in the last place): below it the cast rounds to a finite value, so
+# float32's maximum printed as 3.4028235e38 is taken. For float64 it is inf, refusing only inf and NaN.
+def _rounds_to_inf(kind: type[np.floating]) -> float:
+    top = np.finfo(kind).max
+    ulp = float(top) - float(np.nextafter(top, kind(0)))  # the top binade's spacing
+    return float(top) + ulp / 2  # inf for float64
+
+
+_ROUNDS_TO_INF = {np.dtype(t): _rounds_to_inf(t) for t in (np.float16, np.float32, np.float64)}
 
 
 def _as_array(data: Any, spec: TensorSpec, shape: list[int]) -> np.ndarray:
@@ -39,7 +47,7 @@ def _as_array(data: Any, spec: TensorSpec, shape: list[int]) -> np.ndarray:
     if kind == "f" and dtype.kind == "f":
         # JSON numbers (float64) into a float model, the usual case: one range check before the cast
         # (NaN fails it too), so the cast cannot overflow (no np.errstate needed).
-        if not np.abs(array).max() <= _FLOAT_MAX[dtype]:
+        if array.size and not np.abs(array).max() < _ROUNDS_TO_INF[dtype]:
             raise BadRequest("'data' holds values that are not finite in " + spec.datatype)
         return array.reshape(shape).astype(dtype)
     with np.errstate(all="ignore"):

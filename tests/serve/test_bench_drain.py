@@ -28,9 +28,9 @@ def test_wait_drained_waits_out_a_backlog(serve_registry):
                         "--max-batch-size", "4", "--cache-mb", "0") as (base, process):
         port = int(base.rsplit(":", 1)[1])
         server = Server("mlscale", process, port, "/v2/models/slow/infer", [json.dumps(body)])
-        _wait_ready(server)
-        assert 0 < server.idle_s < 0.05
-        assert wait_drained(server) < 0.5  # idle: returns at once
+        _wait_ready(server)  # also times the idle server: median of 20 requests
+        assert 0 < server.idle_s < 0.2
+        assert wait_drained(server) < 5  # idle: three quick probes
         # Flood the 2048-wide MLP far past what it can do, then kill the generator mid-run: its requests
         # stay queued in the server, which keeps computing them.
         config = {"host": "127.0.0.1", "port": port, "path": "/v2/models/slow/infer", "bodies": [json.dumps(body)],
@@ -40,7 +40,7 @@ def test_wait_drained_waits_out_a_backlog(serve_registry):
         time.sleep(2.0)
         flood.kill()
         flood.wait(timeout=10)
-        waited = wait_drained(server, timeout=120)
-        assert waited > 0.3  # there was a backlog, and it was waited out
+        waited = wait_drained(server, timeout=120)  # raises if never drained
+        assert 0.3 < waited < 120  # there was a backlog, and it was waited out
         # Drained: answered in a blink, not behind seconds of backlog (8,000 requests at ~0.4 ms each).
         assert _latency(server) < 0.25

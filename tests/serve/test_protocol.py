@@ -127,6 +127,7 @@ def _v2(data, shape=(1, 4), spec=FP32):
 @pytest.mark.parametrize(("data", "text"), [
     ([1e39, 0.0, 0.0, 0.0], "not finite in FP32"),  # representable in JSON, not in float32
     ([0.0, 0.0, 0.0, -3.5e38], "not finite in FP32"),
+    ([3.4028236e38, 0.0, 0.0, 0.0], "not finite in FP32"),  # past float32's max by more than half an ulp
     ([True, False, True, True], "numbers"),  # booleans are not numbers for FP32
     (["1.5", 0.0, 1.0, 2.0], "numbers"),
     ([None, 0.0, 1.0, 2.0], "numbers"),
@@ -144,6 +145,8 @@ def test_tensor_data_is_converted_to_the_model_dtype():
     assert array.dtype == np.float32 and array.shape == (1, 4)
     assert array.tolist() == [[1.0, 2.5, 0.0, np.float32(3.4e38)]]
     assert _v2([[1, 2], [3, 4]]).tolist() == [[1.0, 2.0, 3.0, 4.0]]  # nested rows, same values
+    top = _v2([3.4028235e38, -3.4028235e38, 0.0, 0.0])  # float32's max as printed: rounds to it
+    assert top[0, 0] == np.finfo(np.float32).max and top[0, 1] == -np.finfo(np.float32).max
     as_int = _v2([1, 2, 3, 4], spec=TensorSpec("input", "INT64", (-1, 4)))
     assert as_int.dtype == np.int64 and as_int.tolist() == [[1, 2, 3, 4]]
     flags = _v2([True, False, True, True], spec=TensorSpec("input", "BOOL", (-1, 4)))
