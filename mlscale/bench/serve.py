@@ -32,12 +32,13 @@ from mlscale.bench.machine import machine_info
 from mlscale.bench.report import pyplot, save_figure, write_results
 
 SERVER_CPU, LOADGEN_CPU = 0, 1
-# Persistent connections the load generator opens before a trial (it opens more if all are busy).
+# Persistent connections the load generator opens before a trial, and the most it keeps (past them a
+# request waits for a free connection, its latency counted from its intended time).
 # Enough that connection set-up stays out of the measurement: with 64, a burst at ~4,800 requests/s on
 # the 2048-wide MLP (~80 requests in flight on average) had the generator open a few hundred new
 # connections per trial, and each costs the server an accept and a protocol object; a burst of them
 # fed on itself into a p99 of ~400 ms in one trial of eight. With 512 the same eight trials all kept
-# p99 under 40 ms. Every system gets the same pool, as a client with a connection pool (wrk, a load
+# p99 under 40 ms. Every system gets the same pool, as a client with a connection pool (wrk2, a load
 # balancer) would give it.
 POOL_CONNECTIONS = 512
 MODELS = {
@@ -238,7 +239,7 @@ def trial(server: Server, rate: float, args: argparse.Namespace, bodies: list[st
     drained_s = wait_drained(server)
     config = {"host": "127.0.0.1", "port": server.port, "path": server.path, "bodies": bodies or server.bodies,
               "rate": rate, "duration_s": args.duration_s, "warmup_s": args.warmup_s, "cpu": LOADGEN_CPU,
-              "connections": POOL_CONNECTIONS, "seed": int(rate)}
+              "connections": POOL_CONNECTIONS, "max_connections": POOL_CONNECTIONS, "seed": int(rate)}
     output = subprocess.run([sys.executable, "-m", "mlscale.bench.loadgen"], input=json.dumps(config),
                             capture_output=True, text=True, timeout=args.duration_s + args.warmup_s + 60)
     if output.returncode != 0:
@@ -349,8 +350,9 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     results.update({
         "benchmark": "serving goodput at an SLO: mlscale vs LitServe (batching on) vs plain FastAPI vs offline",
         "how": (f"open-loop Poisson load (mlscale/bench/loadgen.py: bare asyncio protocols on uvloop, keeps up with "
-                f"~18,000 requests/s on one core; {POOL_CONNECTIONS} persistent connections opened first, more if all "
-                f"are busy), latency from the intended send time, each trial started on a drained server, "
+                f"~18,000 requests/s on one core; a pool of {POOL_CONNECTIONS} persistent connections opened first, a "
+                f"request finding all busy waits for one), latency from the intended send time, each trial "
+                f"started on a drained server, "
                 f"{args.warmup_s:g} s warm-up discarded "
                 f"+ {args.duration_s:g} s measured per trial; goodput (median of {args.repeats} searches per system, "
                 f"systems taking turns) = highest offered rate with p99 <= "
