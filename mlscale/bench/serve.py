@@ -363,7 +363,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 f"{args.max_delay_ms / 1e3:g} s; inputs: 200 distinct held-out rows, one per request; overload: "
                 f"2x mlscale's goodput, with --slo-ms {args.slo_ms:g} and without (invalid where the generator "
                 f"lagged); cache: one repeated request at 1,000/s against a bare-ASGI no-op endpoint on uvicorn, "
-                f"alternating, median p50 of 3"),
+                f"alternating, median p50 of 5"),
         "slo_ms": args.slo_ms,
         "command": "mlscale bench serve " + " ".join(sys.argv[3:]) if sys.argv[1:3] == ["bench", "serve"] else "",
         "machine": machine_info(),
@@ -399,7 +399,7 @@ def overload_check(model: dict[str, Any], args: argparse.Namespace, rate: float)
 
 
 def cache_check(model: dict[str, Any], args: argparse.Namespace, rate: float = 1000.0,
-                repeats: int = 3) -> dict[str, Any]:
+                repeats: int = 5) -> dict[str, Any]:
     """p50 of cache hits (one repeated request) against a no-op JSON endpoint, same rate, same body;
     the two alternate ``repeats`` times and the medians are compared."""
     body = [v2_body(model["rows"][0])]
