@@ -10,10 +10,10 @@ The training names are imported on first use: ``mlscale serve`` of an ONNX model
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from mlscale.errors import MlscaleError, UsageError, WorkerFailed
+from mlscale.lazy import lazy_names
 
 if TYPE_CHECKING:
     from mlscale.config import TrainConfig, build_config
@@ -23,16 +23,6 @@ if TYPE_CHECKING:
 __all__ = ["MlscaleError", "Task", "TensorData", "TrainConfig", "UsageError", "WorkerFailed", "build_config", "fit"]
 __version__ = "0.1.0"
 
-_LAZY = {"TrainConfig": "mlscale.config", "build_config": "mlscale.config", "Task": "mlscale.tasks",
-         "TensorData": "mlscale.tasks", "fit": "mlscale.train.launcher"}
-
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+__getattr__, __dir__ = lazy_names(__name__, {
+    "TrainConfig": "mlscale.config", "build_config": "mlscale.config", "Task": "mlscale.tasks",
+    "TensorData": "mlscale.tasks", "fit": "mlscale.train.launcher"})

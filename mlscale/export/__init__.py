@@ -6,16 +6,13 @@ not, so the exporter's names are imported on first use.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from mlscale.lazy import lazy_names
 
 if TYPE_CHECKING:
     from mlscale.export.onnx import ATOL, RTOL, ExportError, Parity, check_parity, export_onnx, export_version
 
 __all__ = ["ATOL", "RTOL", "ExportError", "Parity", "check_parity", "export_onnx", "export_version"]
 
-
-def __getattr__(name: str) -> Any:
-    if name not in __all__:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module("mlscale.export.onnx"), name)
+__getattr__, __dir__ = lazy_names(__name__, {name: "mlscale.export.onnx" for name in __all__})

@@ -6,9 +6,9 @@ ONNX models (which resolves URIs and fetches artifacts here) never loads it.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from mlscale.lazy import lazy_names
 from mlscale.registry.artifacts import ArtifactIntegrityError, ArtifactStore, LocalArtifactStore
 from mlscale.registry.store import ModelVersion, NotFound, Registry, RegistryError
 from mlscale.registry.uri import STAGES, ModelURI, parse_uri
@@ -19,8 +19,5 @@ if TYPE_CHECKING:
 __all__ = ["STAGES", "ArtifactIntegrityError", "ArtifactStore", "LocalArtifactStore", "ModelURI", "ModelVersion",
            "NotFound", "Registry", "RegistryError", "load_torch_model", "parse_uri", "register_run"]
 
-
-def __getattr__(name: str) -> Any:
-    if name not in ("load_torch_model", "register_run"):
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module("mlscale.registry.models"), name)
+__getattr__, __dir__ = lazy_names(__name__, {name: "mlscale.registry.models"
+                                             for name in ("load_torch_model", "register_run")})
