@@ -130,12 +130,15 @@ class _Generator:
         if connection is not None and connection.transport is not None:
             if self.waiting:  # a request was waiting for a connection: it goes now
                 queued = self.waiting.popleft()
-                connection.send(queued, self.payloads[queued % len(self.payloads)])
+                self._send_on(connection, queued)
             else:
                 self.idle.append(connection)
         self.outstanding -= 1
         if self.outstanding == 0 and self.all_done is not None and not self.all_done.done():
             self.all_done.set_result(None)
+
+    def _send_on(self, connection: _Connection, index: int) -> None:
+        connection.send(index, self.payloads[index % len(self.payloads)])
 
     def connection_freed(self) -> None:
         """A connection closed: a request waiting for the pool gets a new one in its place."""
@@ -157,7 +160,7 @@ class _Generator:
             self.completed(None, index, 0)
             self.connection_freed()
             return
-        connection.send(index, self.payloads[index % len(self.payloads)])
+        self._send_on(connection, index)
 
     def _send(self, index: int) -> None:
         self.outstanding += 1
@@ -165,7 +168,7 @@ class _Generator:
         while self.idle and self.idle[-1].transport is None:  # closed by the server while idle
             self.idle.pop()
         if self.idle:
-            self.idle.pop().send(index, self.payloads[index % len(self.payloads)])
+            self._send_on(self.idle.pop(), index)
         elif self._may_open():
             self._open_for(index)
         else:  # the pool is exhausted: wait for a connection, the clock running from the intended time
