@@ -1,6 +1,10 @@
-"""A user's own task, plugged in by import path:
+"""A user's own task, declared with ``@declare_task`` and plugged in by import path:
 
-    mlscale train --task examples.custom_task:make_task --task-opt hidden=32 --workers 2
+    PYTHONPATH=. mlscale train --task examples.custom_task:make_task --task-opt hidden=32 --workers 2
+
+mlscale only calls factories that were declared as tasks (a config file or a registry row naming any
+other function is refused), and it imports them from the Python path as it is: ``PYTHONPATH=.`` makes
+this folder's ``examples`` package importable.
 
 A task is a model factory, train/eval tensors, a loss and metrics. Everything else (sharding,
 data parallelism, checkpoints, reports) comes from mlscale.
@@ -9,9 +13,10 @@ data parallelism, checkpoints, reports) comes from mlscale.
 import torch
 from torch import nn
 
-from mlscale import Task, TensorData
+from mlscale import Task, TensorData, declare_task
 
 
+@declare_task
 def make_task(hidden: int = 64, samples: int = 2048) -> Task:
     """Learn y = sin(3x) on [-1, 1]: a regression on 1-D inputs."""
     generator = torch.Generator().manual_seed(0)

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from mlscale.tasks import Task, make_task
+from mlscale.tasks import Task, declare_task, make_task
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -46,6 +46,7 @@ class _Exploding(nn.Module):
         return self.inner(x)
 
 
+@declare_task
 def exploding_task(rank: int = 1, step: int = 3) -> Task:
     task = make_task("digits")
     inner = task.build_model

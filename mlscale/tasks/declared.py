@@ -1,0 +1,69 @@
+"""Which task factories mlscale may call: a config file, a run directory and a registry row are data.
+
+A task named in data is only a string. mlscale calls a factory only when it is built in, declared
+with :func:`declare_task` in the module that defines it, or declared by an installed package in the
+``mlscale.tasks`` entry-point group. Anything else (``os:system``, ``subprocess:run``) is refused
+before it is called: with a registry shared through PostgreSQL, calling whatever a row names would
+be code execution on every host that loads a model.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from importlib.metadata import EntryPoint, entry_points
+from typing import Any, TypeVar
+
+from mlscale.errors import UsageError
+
+ENTRY_POINT_GROUP = "mlscale.tasks"
+HOW_TO_DECLARE = ("decorate the factory with @mlscale.declare_task, or declare it in the 'mlscale.tasks' "
+                  "entry-point group of an installed package")
+
+F = TypeVar("F", bound=Callable[..., Any])
+_DECLARED: dict[str, Callable[..., Any]] = {}
+
+
+def declare_task(factory: F) -> F:
+    """Declare ``factory`` as a task that mlscale may build by its path, ``package.module:function``.
+
+    The declaration happens when the module is imported, so only code that someone installed or put
+    on the Python path, and marked as a task, can ever be called from a configuration."""
+    _DECLARED[task_path(factory)] = factory
+    return factory
+
+
+def task_path(factory: Callable[..., Any]) -> str:
+    return f"{factory.__module__}:{factory.__qualname__}"
+
+
+def _entry_point(name: str) -> EntryPoint | None:
+    """The installed entry point named ``name`` or pointing at ``name`` (``package.module:function``)."""
+    for point in entry_points(group=ENTRY_POINT_GROUP):
+        if name in (point.name, point.value.replace(" ", "")):
+            return point
+    return None
+
+
+def declared_factory(name: str) -> Callable[..., Any] | None:
+    """The declared factory for ``name``, importing its module (never calling it); None if unknown."""
+    point = _entry_point(name)
+    if point is not None:
+        try:
+            return point.load()
+        except (ImportError, AttributeError) as exc:
+            raise UsageError(f"bad value task={name!r}: its entry point {point.value!r} does not load "
+                             f"({exc})") from None
+    module_name, sep, _ = name.partition(":")
+    if not sep:
+        return None
+    if name not in _DECLARED:
+        try:  # the module comes from the Python path as it is: the current directory is not added
+            importlib.import_module(module_name)
+        except ImportError as exc:
+            raise UsageError(f"bad value task={name!r}: cannot import {module_name!r} ({exc}); "
+                             "is it installed or on PYTHONPATH?") from None
+    factory = _DECLARED.get(name)
+    if factory is None:
+        raise UsageError(f"bad value task={name!r}: not a declared mlscale task; {HOW_TO_DECLARE}")
+    return factory

@@ -1,0 +1,110 @@
+"""Only declared code runs: a config file, a run directory or a registry row naming any function that
+was not declared as a task (``os:system``, ``subprocess:run``) is refused before it is called."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlscale import TrainConfig, UsageError, fit
+from mlscale.registry import Registry, register_run
+from mlscale.tasks import make_task
+from tests.helpers import REPO, run_cli
+from tests.serve.conftest import free_port
+
+DANGEROUS = ["os:system", "subprocess:run", "subprocess:check_call"]
+
+
+def _options(task: str, marker: Path) -> dict:
+    command = f"touch {marker}"
+    return {"command": command} if task == "os:system" else {"args": ["touch", str(marker)]}
+
+
+def _refused_once(result: subprocess.CompletedProcess[str], marker: Path) -> None:
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "not a declared mlscale task" in lines[0] and "@mlscale.declare_task" in lines[0]
+    assert "Traceback" not in result.stderr
+    assert not marker.exists(), "the undeclared function was called"
+
+
+@pytest.mark.parametrize("task", DANGEROUS)
+def test_a_config_file_naming_a_system_function_runs_nothing(task, tmp_path):
+    marker = tmp_path / "pwned"
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps({"task": task, "task_options": _options(task, marker), "steps": 2}))
+    _refused_once(run_cli("train", "--config", str(config), "--run-dir", str(tmp_path / "run")), marker)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.fixture(scope="module")
+def poisoned_registry(tmp_path_factory):
+    """A registry whose rows (written by a 'teammate' straight into the shared database) name os:system."""
+    root = tmp_path_factory.mktemp("poisoned")
+    fit(TrainConfig(task="digits", steps=2, run_dir=str(root / "run")))
+    registry = Registry(str(root / "registry"))
+    real = register_run(registry, root / "run", "digits")
+    markers = {}
+    for index, task in enumerate(DANGEROUS, start=1):
+        markers[task] = root / f"pwned-{index}"
+        config = {**real.config, "task": task, "task_options": _options(task, markers[task])}
+        registry.create_version(f"evil{index}", {"model.safetensors": root / "run/final/model.safetensors"},
+                                config=config, metrics={}, signature=real.signature)
+    return str(root / "registry"), markers
+
+
+@pytest.mark.parametrize("index", [1, 2, 3])
+@pytest.mark.parametrize("command", [("serve", "--runtime", "torch"), ("export",), ("serve",)])
+def test_a_registry_row_naming_a_system_function_runs_nothing_on_serve_or_export(index, command, poisoned_registry):
+    registry, markers = poisoned_registry
+    port = ("--port", str(free_port())) if command[0] == "serve" else ()
+    result = run_cli(command[0], f"models:/evil{index}/1", *command[1:], *port, "--registry", registry, timeout=60)
+    _refused_once(result, markers[DANGEROUS[index - 1]])
+
+
+def test_registering_a_run_directory_whose_config_names_a_system_function_runs_nothing(tmp_path):
+    fit(TrainConfig(task="digits", steps=2, run_dir=str(tmp_path / "run")))
+    marker = tmp_path / "pwned"
+    config = json.loads((tmp_path / "run/config.json").read_text())
+    config.update(task="os:system", task_options=_options("os:system", marker))
+    (tmp_path / "run/config.json").write_text(json.dumps(config))
+    result = run_cli("models", "register", str(tmp_path / "run"), "--name", "evil", "--registry",
+                     str(tmp_path / "registry"))
+    _refused_once(result, marker)
+
+
+def test_a_declared_factory_is_built_and_the_same_function_undeclared_is_refused():
+    assert make_task("tests.declared_tasks:misbehaving", {"sleep_s": 0.1}).name == "misbehaving"
+    with pytest.raises(UsageError, match="not a declared mlscale task"):
+        make_task("tests.declared_tasks:undeclared")
+
+
+def test_the_current_directory_is_not_put_on_the_python_path(tmp_path, monkeypatch):
+    (tmp_path / "mytasks_in_cwd.py").write_text(
+        "from mlscale import declare_task\n@declare_task\ndef make():\n    raise SystemExit('imported')\n")
+    monkeypatch.chdir(tmp_path)
+    path_before = list(sys.path)
+    with pytest.raises(UsageError, match=r"cannot import 'mytasks_in_cwd'.*PYTHONPATH"):
+        make_task("mytasks_in_cwd:make")
+    assert sys.path == path_before
+
+
+def test_an_installed_package_declares_tasks_through_its_entry_point_group(tmp_path):
+    """A package's ``[project.entry-points."mlscale.tasks"]``: the task by its entry-point name."""
+    site = tmp_path / "site"
+    (site / "sine_tasks-1.0.dist-info").mkdir(parents=True)
+    (site / "sine_tasks-1.0.dist-info/METADATA").write_text("Metadata-Version: 2.1\nName: sine-tasks\nVersion: 1.0\n")
+    (site / "sine_tasks-1.0.dist-info/entry_points.txt").write_text("[mlscale.tasks]\nsine = sine_tasks:build\n")
+    (site / "sine_tasks.py").write_text(  # not decorated: the entry point is the declaration
+        "from examples.custom_task import make_task\n\ndef build(hidden=8):\n    return make_task(hidden=hidden)\n")
+    env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{REPO}"}
+    result = subprocess.run([sys.executable, "-m", "mlscale", "train", "--task", "sine", "--task-opt", "hidden=4",
+                             "--steps", "3", "--run-dir", str(tmp_path / "run")], capture_output=True, text=True,
+                            cwd=tmp_path, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert json.loads((tmp_path / "run/config.json").read_text())["task"] == "sine"
