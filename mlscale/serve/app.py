@@ -121,8 +121,6 @@ async def _predict_once(state: ServerState, served: ServedModel, array: np.ndarr
             key = cache_key(served.content_id, array, params)
             output, how = await state.cache.get_or_compute(key, lambda: served.batcher.submit(array))
             stats.cache[how].inc()
-            if how == "miss":
-                state.metrics.cache_bytes.set(state.cache.bytes)
         else:
             output = await served.batcher.submit(array)
     except Replaced:

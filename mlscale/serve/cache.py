@@ -47,6 +47,8 @@ def raw_key(content_id: str, route: str, body: bytes) -> RawKey:
 
 
 def _size(key: Key, value: np.ndarray | bytes) -> int:
+    """What an entry holds: the value's own bytes (values are owned copies, never views), the key's
+    bytes and a fixed overhead for the dict entry and objects."""
     key_bytes = len(key) if isinstance(key, bytes) else sum(len(part) for part in key)
     return (value.nbytes if isinstance(value, np.ndarray) else len(value)) + key_bytes + 64
 
@@ -72,8 +74,14 @@ class ResponseCache:
         return value
 
     def put(self, key: Key, value: np.ndarray | bytes) -> None:
+        if not self.enabled:
+            return
+        if isinstance(value, np.ndarray) and value.base is not None:
+            # An answer is a slice of its batch's output: storing the view would keep the whole batch
+            # alive while the budget counted only the slice. The cache keeps its own copy of the rows.
+            value = value.copy()
         size = _size(key, value)
-        if not self.enabled or size > self.max_bytes:
+        if size > self.max_bytes:
             return
         if key in self._entries:
             self.bytes -= _size(key, self._entries.pop(key))

@@ -16,6 +16,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
+from mlscale.serve.cache import ResponseCache
+
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 LABELS = ["model", "version"]
@@ -104,9 +106,9 @@ class ModelStats:
 
 
 class ServerMetrics:
-    def __init__(self) -> None:
+    def __init__(self, cache: ResponseCache | None = None) -> None:
         self.models: dict[tuple[str, str], ModelStats] = {}
-        self.cache_bytes = Gauge()
+        self.cache = cache  # read at scrape time: the bytes it really holds, never a stale copy
         self.registry = CollectorRegistry()
         self.registry.register(self)  # type: ignore[arg-type]  # a collector is anything with collect()
 
@@ -141,7 +143,12 @@ class ServerMetrics:
             for stats in models:
                 family.add_metric(stats.labels, series(stats).value)
             yield family
-        yield GaugeMetricFamily("mlscale_cache_bytes", "Bytes held by the response cache", value=self.cache_bytes.value)
+        if self.cache is not None:
+            yield GaugeMetricFamily("mlscale_cache_bytes", "Bytes held by the response cache (values, keys and "
+                                    "per-entry overhead)", value=self.cache.bytes)
+            yield GaugeMetricFamily("mlscale_cache_max_bytes", "The response cache's bound (--cache-mb)",
+                                    value=self.cache.max_bytes)
+            yield GaugeMetricFamily("mlscale_cache_entries", "Entries in the response cache", value=len(self.cache))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -32,9 +32,10 @@ def build_state(uris: list[str], options: ServeOptions, registry_location: str |
     registry = Registry(registry_location)
     for uri in uris:  # fail fast, before listening: unknown models, missing ONNX artifacts
         load_runtime(registry, registry.resolve(uri), options.runtime, options.threads)
-    metrics = ServerMetrics()
+    cache = ResponseCache(int(options.cache_mb * 1024 * 1024))
+    metrics = ServerMetrics(cache)
     slots = [ModelSlot(uri, registry, options, metrics) for uri in uris]
-    return ServerState(slots, metrics, ResponseCache(int(options.cache_mb * 1024 * 1024)), max_body_bytes)
+    return ServerState(slots, metrics, cache, max_body_bytes)
 
 
 def serve(uris: list[str], *, host: str = "127.0.0.1", port: int = 8000, options: ServeOptions | None = None,

@@ -140,6 +140,38 @@ def test_cache_is_lru_and_bounded_in_bytes():
     assert cache.get(bytes([0]) * 32) is None and cache.get(bytes([4]) * 32) is not None
 
 
+def _buffer_bytes(array: np.ndarray) -> int:
+    """The bytes an array keeps alive: its root buffer's, whatever slice of it the array shows."""
+    while isinstance(array.base, np.ndarray):
+        array = array.base
+    return array.nbytes
+
+
+def test_with_many_concurrent_distinct_requests_the_cache_holds_no_more_than_its_bound():
+    """Answers are slices of a batch's output; the cache must hold copies of the rows, not the batch."""
+
+    class Wide(Doubler):
+        def run(self, batch: np.ndarray) -> np.ndarray:
+            self.batches.append(len(batch))
+            time.sleep(0.002)
+            return np.repeat(batch, 256, axis=1)  # 2 KiB of output per row
+
+    async def scenario():
+        runtime = Wide()
+        batcher = make(runtime, max_batch_size=32, max_delay_s=0.01, queue_limit=1000)
+        cache = ResponseCache(max_bytes=64 * 1024)
+        requests = [rows(float(i)) for i in range(400)]
+        await asyncio.gather(*(cache.get_or_compute(cache_key("v1", r), lambda r=r: batcher.submit(r))
+                               for r in requests))
+        await batcher.close()
+        return runtime, cache
+
+    runtime, cache = asyncio.run(scenario())
+    assert max(runtime.batches) > 8  # real batches: each answer was a slice of a larger output
+    held = sum(_buffer_bytes(value) + len(key) + 64 for key, value in cache._entries.items())
+    assert len(cache) > 10 and held == cache.bytes <= cache.max_bytes
+
+
 def test_identical_concurrent_misses_run_the_model_once():
     async def scenario():
         runtime = Doubler(delay_s=0.05)

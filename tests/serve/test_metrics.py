@@ -1,7 +1,9 @@
 """The lock-free metric series render as valid Prometheus exposition with the right values."""
 
+import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
+from mlscale.serve.cache import ResponseCache
 from mlscale.serve.metrics import ServerMetrics
 
 
@@ -12,7 +14,8 @@ def samples(metrics: ServerMetrics) -> dict[tuple[str, tuple], float]:
 
 
 def test_counters_histograms_and_gauges_render_with_their_labels_and_cumulative_buckets():
-    metrics = ServerMetrics()
+    cache = ResponseCache(10_000)
+    metrics = ServerMetrics(cache)
     stats = metrics.stats_for("digits", "2")
     for seconds in (0.0004, 0.001, 0.003, 7.0):  # 0.001 sits exactly on a bound: Prometheus buckets are <=
         stats.duration.observe(seconds)
@@ -22,7 +25,7 @@ def test_counters_histograms_and_gauges_render_with_their_labels_and_cumulative_
     stats.failure("overloaded")
     stats.batch_size.observe(64)
     stats.loaded.set(1)
-    metrics.cache_bytes.set(1234)
+    cache.put(b"k" * 32, np.zeros(10, dtype=np.float32))
     got = samples(metrics)
     labels = (("model", "digits"), ("version", "2"))
     assert got[("mlscale_inference_request_success_total", labels)] == 1
@@ -39,7 +42,8 @@ def test_counters_histograms_and_gauges_render_with_their_labels_and_cumulative_
     assert got[("mlscale_inference_batch_size_bucket", (("le", "32.0"), *labels))] == 0
     assert got[("mlscale_inference_batch_size_bucket", (("le", "64.0"), *labels))] == 1
     assert got[("mlscale_model_loaded", labels)] == 1
-    assert got[("mlscale_cache_bytes", ())] == 1234
+    assert got[("mlscale_cache_bytes", ())] == cache.bytes == 40 + 32 + 64
+    assert got[("mlscale_cache_max_bytes", ())] == 10_000 and got[("mlscale_cache_entries", ())] == 1
 
 
 def test_a_version_loaded_again_continues_its_series():
