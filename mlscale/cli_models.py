@@ -202,12 +202,15 @@ def _mirror(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     from mlscale.export import export_version
 
-    artifact, parity = export_version(_registry(args), args.uri)
+    registry = _registry(args)
+    existed = "model.onnx" in registry.resolve(args.uri).artifacts
+    artifact, parity = export_version(registry, args.uri)
     if args.json:
-        print(as_json({"artifact": artifact.__dict__, "parity": parity.__dict__}))
+        print(as_json({"artifact": artifact.__dict__, "parity": parity.__dict__, "already_exported": existed}))
     else:
         check = (f"max abs error {parity.max_abs_err:.3g}, max rel error {parity.max_rel_err:.3g} on "
                  f"{parity.samples} held-out inputs, batches {parity.batch_sizes} "
                  f"(rtol {parity.rtol:g}, atol {parity.atol:g})")
-        print(pairs([("stored", artifact.key), ("sha256", artifact.sha256), ("parity", check)]))
+        stored = f"{artifact.key} (already exported: a version's files are write-once)" if existed else artifact.key
+        print(pairs([("stored", stored), ("sha256", artifact.sha256), ("parity", check)]))
     return 0

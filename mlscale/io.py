@@ -18,8 +18,12 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
-    """Call ``write(tmp_path)``, fsync it, then rename over ``path`` (same folder, so atomic)."""
+def atomic_write(path: str | Path, write: Callable[[Path], None], *, exclusive: bool = False) -> Path:
+    """Call ``write(tmp_path)``, fsync it, then rename over ``path`` (same folder, so atomic).
+
+    ``exclusive``: write-once. The complete file is hard-linked into place instead, which fails with
+    ``FileExistsError`` if ``path`` exists (checked and done in one step by the file system, so two
+    writers racing for the same path cannot both win) and leaves the existing file untouched."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -29,7 +33,11 @@ def atomic_write(path: str | Path, write: Callable[[Path], None]) -> Path:
         write(tmp)
         with open(tmp, "rb+") as handle:
             os.fsync(handle.fileno())
-        os.replace(tmp, path)
+        if exclusive:
+            os.link(tmp, path)
+            tmp.unlink()
+        else:
+            os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -88,10 +88,17 @@ def check_parity(model: nn.Module, path: Path, inputs: torch.Tensor, rtol: float
 
 def export_version(registry: Registry, uri: str, *, samples: int = 256, rtol: float = RTOL,
                    atol: float = ATOL) -> tuple[Artifact, Parity]:
-    """Export a registered version to ONNX, check parity, store ``model.onnx`` in the same version."""
+    """Export a registered version to ONNX, check parity, store ``model.onnx`` in the same version.
+
+    A version's files are write-once: a version that already has ``model.onnx`` is not exported again;
+    its stored artifact (verified against its SHA-256) and the parity recorded with it are returned."""
     import onnxruntime
 
     version = registry.resolve(uri)
+    if ONNX_ARTIFACT in version.artifacts:
+        registry.artifact_path(version, ONNX_ARTIFACT)  # verifies the stored bytes
+        stored = version.artifacts[ONNX_ARTIFACT]
+        return stored, Parity(**stored.info["parity"])
     model = load_torch_model(registry, version)
     held_out = task_of(version.config).eval.to(next(model.parameters()).dtype).inputs[:samples]
     with tempfile.TemporaryDirectory(prefix="mlscale-onnx-") as tmp:

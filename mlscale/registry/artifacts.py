@@ -1,7 +1,8 @@
 """Artifact storage behind a small interface: files in a folder today, an object store later.
 
-Every artifact is addressed by a key (``NAME/VERSION/FILE``), recorded with its SHA-256 at
-registration, and verified on every fetch, so a tampered or truncated file is refused.
+Every artifact is addressed by a key (``NAME/VERSION/FILE``), written once and atomically, recorded
+with its SHA-256 at registration, and verified on every fetch, so a tampered or truncated file is
+refused.
 """
 
 from __future__ import annotations
@@ -13,10 +14,15 @@ from pathlib import Path
 from typing import Protocol
 
 from mlscale.errors import MlscaleError
+from mlscale.io import atomic_write
 
 
 class ArtifactIntegrityError(MlscaleError):
     """An artifact's bytes are not the ones registered."""
+
+
+class ArtifactExists(MlscaleError):
+    """An artifact is write-once: a file is already stored under this key."""
 
 
 def sha256_file(path: Path) -> str:
@@ -39,6 +45,8 @@ class ArtifactStore(Protocol):
 
     def fetch(self, key: str, sha256: str) -> Path: ...
 
+    def digest(self, key: str) -> str: ...
+
     def move_prefix(self, source: str, target: str) -> None: ...
 
     def delete_prefix(self, prefix: str) -> None: ...
@@ -57,9 +65,13 @@ class LocalArtifactStore:
         return path
 
     def put(self, key: str, source: Path) -> StoredArtifact:
+        """Store a copy of ``source`` under ``key``, atomically and once: a reader never sees a partial
+        file, and an existing artifact is never overwritten (``ArtifactExists``)."""
         target = self._path(key)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(source, target)
+        try:
+            atomic_write(target, lambda tmp: shutil.copyfile(source, tmp), exclusive=True)
+        except FileExistsError:
+            raise ArtifactExists(f"artifact {key} is already stored; artifacts are write-once") from None
         return StoredArtifact(key, sha256_file(target), target.stat().st_size)
 
     def fetch(self, key: str, sha256: str) -> Path:
@@ -71,6 +83,10 @@ class LocalArtifactStore:
             raise ArtifactIntegrityError(f"artifact {key} is damaged or was changed: SHA-256 {actual[:12]}... "
                                          f"differs from the registered {sha256[:12]}...; refusing to load it")
         return path
+
+    def digest(self, key: str) -> str:
+        """The SHA-256 of what is stored under ``key`` now."""
+        return sha256_file(self._path(key))
 
     def move_prefix(self, source: str, target: str) -> None:
         """Rename a folder of artifacts; a stale ``target`` (no registry row points to it) is replaced."""

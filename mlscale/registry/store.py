@@ -29,7 +29,7 @@ from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
 
 from mlscale.errors import MlscaleError, UsageError
 from mlscale.registry import schema
-from mlscale.registry.artifacts import ArtifactStore, LocalArtifactStore
+from mlscale.registry.artifacts import ArtifactExists, ArtifactStore, LocalArtifactStore, StoredArtifact, sha256_file
 from mlscale.registry.uri import ModelURI, canonical_stage, check_alias, check_name, parse_uri
 
 DEFAULT_LOCATION = "mlscale-registry"
@@ -107,6 +107,14 @@ def _sqlite_engine(url: str) -> Engine:
         connection.exec_driver_sql("BEGIN IMMEDIATE")
 
     return engine
+
+
+def _same_or_refuse(uri: str, artifact: str, stored_sha256: str, path: Path, record: Artifact | None) -> Any:
+    """``record`` when ``path`` holds the bytes already stored (adding them again is a no-op), else refuse."""
+    if sha256_file(path) == stored_sha256:
+        return record
+    raise UsageError(f"{uri} already has {artifact} (sha256 {stored_sha256[:12]}...) with other content; "
+                     "a version's files are write-once: register a new version instead")
 
 
 def resolve_location(location: str | None) -> tuple[str, Path]:
@@ -224,18 +232,29 @@ class Registry:
         self._audit(conn, name, version, "create_version", None, str(version))
 
     def add_artifact(self, name: str, version: int, artifact: str, path: Path, info: dict[str, Any]) -> Artifact:
-        """Attach a derived artifact (an ONNX export, say) to an existing version; replaces one of the name."""
-        self.get_version(name, version)
+        """Attach a derived artifact (an ONNX export, say) to an existing version.
+
+        A version's files are write-once: adding the same bytes again is a no-op that returns the
+        stored record; other bytes under a name the version already has are refused."""
+        uri = f"models:/{name}/{version}"
+        existing = self.get_version(name, version).artifacts.get(artifact)
+        if existing is not None:
+            return _same_or_refuse(uri, existing.name, existing.sha256, path, existing)
         key = f"{name}/{version}/{artifact}"
-        stored = self.artifacts.put(key, path)
-        with self._tx() as conn:
-            table = schema.artifacts
-            where = (table.c.name == name) & (table.c.version == version) & (table.c.artifact == artifact)
-            conn.execute(table.delete().where(where))
-            conn.execute(insert(table).values(name=name, version=version, artifact=artifact, key=key,
-                                              sha256=stored.sha256, size_bytes=stored.size_bytes,
-                                              created_at=_now(), info=json.dumps(info)))
-            self._audit(conn, name, version, "add_artifact", None, artifact)
+        try:
+            stored = self.artifacts.put(key, path)
+        except ArtifactExists:  # a file without a row: a concurrent add, or one that died before its row
+            stored = StoredArtifact(key, self.artifacts.digest(key), path.stat().st_size)
+            _same_or_refuse(uri, artifact, stored.sha256, path, None)
+        try:
+            with self._tx() as conn:
+                conn.execute(insert(schema.artifacts).values(
+                    name=name, version=version, artifact=artifact, key=key, sha256=stored.sha256,
+                    size_bytes=stored.size_bytes, created_at=_now(), info=json.dumps(info)))
+                self._audit(conn, name, version, "add_artifact", None, artifact)
+        except IntegrityError:  # a concurrent add of the same file won the race for the row
+            won = self.get_version(name, version).artifacts[artifact]
+            return _same_or_refuse(uri, artifact, won.sha256, path, won)
         return Artifact(artifact, key, stored.sha256, stored.size_bytes, info)
 
     # -- changing ------------------------------------------------------------------------------
