@@ -1,4 +1,5 @@
-"""``mlscale serve``: parse the options, start the server."""
+"""``mlscale serve``: parse the options, start the server. Defaults, limits and help come from
+``ServeOptions``, the one options model that the Python API validates with too."""
 
 from __future__ import annotations
 
@@ -6,53 +7,46 @@ import argparse
 
 from mlscale.cli_models import add_registry_option
 
+# flag -> type; the ServeOptions field of the same name (dashes for underscores) has the default and help
+_FLAGS = {"--host": str, "--port": int, "--max-batch-size": int, "--max-delay-ms": float, "--slo-ms": float,
+          "--cache-mb": float, "--queue-limit": int, "--timeout-ms": float, "--threads": int,
+          "--max-body-mb": float, "--reload-interval-s": float, "--drain-delay-s": float,
+          "--exec-timeout-s": float}
+
+
+def _field_help(name: str) -> str:
+    from mlscale.serve.options import ServeOptions
+
+    field = ServeOptions.model_fields[name]
+    default = "none" if field.default is None else f"{field.default:g}" if isinstance(field.default, float) \
+        else field.default
+    return f"{field.description or name.replace('_', ' ')} (default {default})"
+
 
 def add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "serve", help="serve registered models over HTTP (Open Inference Protocol v2)",
         description="Serves one or more registered models with dynamic batching, a response cache and "
         "backpressure. A URI with an alias or stage (models:/digits@production) is followed: when it moves, "
-        "the new version is loaded in the background and swapped in without failing a request.",
-        epilog="example: mlscale serve models:/digits@production --max-batch-size 64 --slo-ms 50")
+        "the new version is loaded in the background and swapped in without failing a request. On SIGTERM, "
+        "readiness answers 503 at once, inference goes on for --drain-delay-s, then in-flight requests "
+        "finish and the server exits 0; a second signal exits at once.",
+        epilog="example: mlscale serve models:/digits@production --max-batch-size 64 --slo-ms 50\n"
+        "behind a Kubernetes Service: --host 0.0.0.0 --drain-delay-s 10 --exec-timeout-s 30")
     p.add_argument("uris", nargs="+", metavar="MODEL_URI")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-batch-size", type=int, default=64, help="most rows per model call (default 64)")
-    p.add_argument("--max-delay-ms", type=float, default=2.0,
-                   help="longest a queued request waits for batch-mates (default 2); never on an idle server")
-    p.add_argument("--slo-ms", type=float, default=None,
-                   help="latency objective: adapts the batch size and refuses requests that would miss it")
-    p.add_argument("--cache-mb", type=float, default=64.0, help="response cache size; 0 turns it off (default 64)")
-    p.add_argument("--runtime", default="auto", choices=["auto", "onnx", "torch"],
-                   help="auto: onnxruntime when the version has an ONNX export, else torch")
-    p.add_argument("--queue-limit", type=int, default=256, help="queued requests per model before 503 (default 256)")
-    p.add_argument("--timeout-ms", type=float, default=10_000, help="longest a request may wait in the queue")
-    p.add_argument("--threads", type=int, default=1, help="threads per model execution (default 1)")
-    p.add_argument("--max-body-mb", type=float, default=8.0, help="larger request bodies get 413 (default 8)")
-    p.add_argument("--reload-interval-s", type=float, default=2.0,
-                   help="how often aliases and stages are checked for a new version (default 2)")
+    for flag, kind in _FLAGS.items():
+        p.add_argument(flag, type=kind, help=_field_help(flag[2:].replace("-", "_")))
+    p.add_argument("--runtime", choices=["auto", "onnx", "torch"],
+                   help="auto (default): onnxruntime when the version has an ONNX export, else torch")
     add_registry_option(p)
     p.set_defaults(handler=_serve)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from mlscale.errors import UsageError
-    from mlscale.serve import ServeOptions, serve
+    from mlscale.serve import serve
+    from mlscale.serve.options import serve_options
 
-    for name in ("max_batch_size", "queue_limit", "threads"):
-        if getattr(args, name) < 1:
-            raise UsageError(f"bad value {name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
-    for name in ("max_delay_ms", "cache_mb", "timeout_ms", "max_body_mb", "reload_interval_s"):
-        if getattr(args, name) < 0:
-            raise UsageError(f"bad value {name.replace('_', '-')}={getattr(args, name)}: must be >= 0")
-    if args.slo_ms is not None and args.slo_ms <= 0:
-        raise UsageError(f"bad value slo-ms={args.slo_ms}: must be > 0")
-    if not 0 < args.port < 65536:
-        raise UsageError(f"bad value port={args.port}: must be 1..65535")
-    options = ServeOptions(max_batch_size=args.max_batch_size, max_delay_ms=args.max_delay_ms,
-                           queue_limit=args.queue_limit, slo_ms=args.slo_ms, timeout_ms=args.timeout_ms,
-                           runtime=args.runtime, threads=args.threads, cache_mb=args.cache_mb,
-                           reload_interval_s=args.reload_interval_s)
-    serve(args.uris, host=args.host, port=args.port, options=options, registry_location=args.registry,
-          max_body_bytes=int(args.max_body_mb * 1024 * 1024))
+    names = [flag[2:].replace("-", "_") for flag in _FLAGS] + ["runtime"]
+    options = serve_options(**{name: getattr(args, name) for name in names})
+    serve(args.uris, options=options, registry_location=args.registry)
     return 0

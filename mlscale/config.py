@@ -74,11 +74,11 @@ class TrainConfig(BaseModel):
 _CLI_NAMES = {"task_options": "task-opt", "faults": "fault", "collective_timeout_s": "collective-timeout"}
 
 
-def _describe(error: ValidationError) -> str:
+def describe_error(error: ValidationError, cli_names: dict[str, str] | None = None) -> str:
     """One line: the first bad key, its value and why, in the user's words (CLI spelling)."""
     first = error.errors()[0]
     loc = ".".join(str(part) for part in first["loc"])
-    key = _CLI_NAMES.get(loc, loc.replace("_", "-")) if loc else ""
+    key = (cli_names or _CLI_NAMES).get(loc, loc.replace("_", "-")) if loc else ""
     if first["type"] == "extra_forbidden":
         return f"unknown configuration key '{loc}'"
     message = first["msg"].removeprefix("Value error, ")
@@ -110,4 +110,4 @@ def build_config(file: str | Path | None = None, **overrides: Any) -> TrainConfi
     try:
         return TrainConfig(**values)
     except ValidationError as exc:
-        raise UsageError(_describe(exc)) from None
+        raise UsageError(describe_error(exc)) from None

@@ -211,6 +211,7 @@ async def generate(config: dict[str, Any]) -> dict[str, Any]:
     measured = [i for i, offset in enumerate(generator.offsets) if offset >= warmup]
     ok = [i for i in measured if generator.status[i] == 200]
     latencies = [(generator.done[i] - start - generator.offsets[i]) * 1e3 for i in ok]
+    refused = [(generator.done[i] - start - generator.offsets[i]) * 1e3 for i in measured if generator.status[i] == 503]
     lags = [(generator.sent[i] - start - generator.offsets[i]) * 1e3 for i in measured if generator.sent[i]]
     statuses: dict[str, int] = {}
     for i in measured:
@@ -222,6 +223,7 @@ async def generate(config: dict[str, Any]) -> dict[str, Any]:
         "throughput": len(ok) / duration,
         "latency_ms": {"p50": _percentile(latencies, 0.5), "p90": _percentile(latencies, 0.9),
                        "p99": _percentile(latencies, 0.99), "max": max(latencies, default=float("nan"))},
+        "refused_latency_ms": {"p50": _percentile(refused, 0.5), "p99": _percentile(refused, 0.99)},
         "generator_lag_ms": {"p50": _percentile(lags, 0.5), "p99": _percentile(lags, 0.99)},
         "connections_opened": generator.opened,
         "waited_for_connection": generator.waited,

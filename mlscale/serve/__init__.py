@@ -1,6 +1,6 @@
 """The inference server: dynamic batching, response cache, backpressure, hot reload, metrics."""
 
-from mlscale.serve.models import ServeOptions
+from mlscale.serve.options import ServeOptions
 from mlscale.serve.server import serve
 
 __all__ = ["ServeOptions", "serve"]

@@ -11,6 +11,7 @@ import asyncio
 import gc
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -38,9 +39,20 @@ class HTTPError(Exception):
         self.status, self.headers = status, headers
 
 
+def internal_error(exc: BaseException, what: str) -> HTTPError:
+    """A 500 that tells the client nothing internal: a generic message and a request id; the exception
+    goes to the server's log under that id, where an operator can find it."""
+    request_id = uuid.uuid4().hex[:16]
+    log.error("request %s: %s: %s: %s", request_id, what, type(exc).__name__, exc, exc_info=exc)
+    return HTTPError(500, f"internal error (request id {request_id})", {"X-Request-ID": request_id})
+
+
 class ServerState:
-    def __init__(self, slots: list[ModelSlot], metrics: ServerMetrics, cache: ResponseCache, max_body_bytes: int):
+    def __init__(self, slots: list[ModelSlot], metrics: ServerMetrics, cache: ResponseCache, max_body_bytes: int,
+                 exec_timeout_s: float | None = None) -> None:
         self.slots, self.metrics, self.cache, self.max_body_bytes = slots, metrics, cache, max_body_bytes
+        self.exec_timeout_s = exec_timeout_s
+        self.not_live: str | None = None  # why liveness fails; once set it stays: a restart is the cure
         self.ready = False
         self.tasks: list[asyncio.Task[None]] = []
         self.loop_lag_s = 0.0  # how late the event loop runs what is ready: the server's own backlog
@@ -53,6 +65,25 @@ class ServerState:
             await asyncio.sleep(period_s)
             lag = max(0.0, time.perf_counter() - start - period_s)
             self.loop_lag_s = 0.8 * self.loop_lag_s + 0.2 * lag
+
+    def check_live(self) -> str | None:
+        """Why the server is not live (a model call has run past ``exec_timeout_s``), or None."""
+        if self.not_live is None and self.exec_timeout_s is not None:
+            now = time.perf_counter()
+            for slot in self.slots:
+                served = slot.current
+                started = served.batcher.call_started if served else None
+                if started is not None and now - started > self.exec_timeout_s:
+                    self.not_live = (f"a call of model {served.name} version {served.number} has run "
+                                     f"{now - started:.1f} s, past --exec-timeout-s {self.exec_timeout_s:g}")
+                    log.error("not live: %s", self.not_live)
+        return self.not_live
+
+    async def watch_exec(self) -> None:
+        """Check for a stuck model call even when nobody probes, so that the log says when it happened."""
+        assert self.exec_timeout_s is not None
+        while self.check_live() is None:
+            await asyncio.sleep(min(1.0, self.exec_timeout_s / 4))
 
     def successor_of(self, served: ServedModel) -> ServedModel:
         for slot in self.slots:
@@ -133,7 +164,7 @@ async def _predict_once(state: ServerState, served: ServedModel, array: np.ndarr
         raise HTTPError(504, f"request timed out: {exc}") from None
     except Exception as exc:
         stats.failure("model")
-        raise HTTPError(500, f"model failed: {type(exc).__name__}: {exc}") from None
+        raise internal_error(exc, "the model call failed") from None
     stats.success.inc()
     stats.duration.observe(time.perf_counter() - start)
     return output
@@ -178,9 +209,9 @@ class InferenceFrontend:
             status, headers = 200, None
         except HTTPError as exc:
             payload, status, headers = orjson.dumps({"error": str(exc)}), exc.status, exc.headers
-        except Exception as exc:  # a bug, not the client's fault: say so, log it, keep serving
-            log.exception("inference request failed")
-            payload, status, headers = orjson.dumps({"error": f"internal error: {exc!r}"}), 500, None
+        except Exception as exc:  # a bug, not the client's fault: log it under an id, keep serving
+            error = internal_error(exc, "inference request failed")
+            payload, status, headers = orjson.dumps({"error": str(error)}), 500, error.headers
         await _send(send, status, payload, headers)
 
     def _model(self, name: str, version: str | None) -> ServedModel:
@@ -258,6 +289,9 @@ async def _send(send: Any, status: int, payload: bytes, headers: dict[str, str] 
 
 def build_app(state: ServerState) -> InferenceFrontend:
     async def live(_: Request) -> Response:
+        reason = state.check_live()
+        if reason is not None:
+            return JSONResponse({"live": False, "error": reason}, status_code=503)
         return JSONResponse({"live": True})
 
     async def ready(_: Request) -> Response:
@@ -289,11 +323,16 @@ def build_app(state: ServerState) -> InferenceFrontend:
 
     async def on_starlette_error(_: Request, exc: Exception) -> Response:
         status = getattr(exc, "status_code", 500)
+        if status >= 500:
+            error = internal_error(exc, "control request failed")
+            return _error(500, str(error), error.headers)
         return _error(status, str(getattr(exc, "detail", exc)) or "error")
 
     @asynccontextmanager
     async def lifespan(_: Starlette) -> AsyncIterator[None]:
         state.tasks.append(asyncio.get_running_loop().create_task(state.watch_loop_lag()))
+        if state.exec_timeout_s is not None:
+            state.tasks.append(asyncio.get_running_loop().create_task(state.watch_exec()))
         for slot in state.slots:
             await slot.load()
             if slot.follows:

@@ -159,6 +159,7 @@ class DynamicBatcher:
         self._queued_rows = 0
         self._arrived = asyncio.Event()
         self._busy_until: float | None = None
+        self.call_started: float | None = None  # perf_counter when the model call now running began
         self._last_done = float("-inf")
         self._concurrent = False  # the last batch held several requests or left some queued
         self._closing = False
@@ -280,13 +281,14 @@ class DynamicBatcher:
         start = time.perf_counter()
         predicted = self.cost_model.cost(len(array))
         self._busy_until = start + (predicted or 0.0)
+        self.call_started = start
         try:
             if (ONE_CORE and self.slo_s is None) or (predicted is not None and predicted < INLINE_BELOW_S):
                 output = self.runtime.run(array)
             else:
                 output = await loop.run_in_executor(self._executor, self.runtime.run, array)
         finally:
-            self._busy_until = None
+            self._busy_until = self.call_started = None
             self._last_done = time.perf_counter()
             self._concurrent = self._concurrent or bool(self._queue)
         elapsed = time.perf_counter() - start

@@ -10,29 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
 
 import numpy as np
 
 from mlscale.registry import ModelVersion, Registry, parse_uri
 from mlscale.serve.batcher import DynamicBatcher
 from mlscale.serve.metrics import ServerMetrics
+from mlscale.serve.options import ServeOptions
 from mlscale.serve.runtime import Runtime, TensorSpec, load_runtime
 
 log = logging.getLogger("mlscale.serve")
-
-
-@dataclass(frozen=True)
-class ServeOptions:
-    max_batch_size: int = 64
-    max_delay_ms: float = 2.0
-    queue_limit: int = 256
-    slo_ms: float | None = None
-    timeout_ms: float = 10_000
-    runtime: str = "auto"
-    threads: int = 1
-    cache_mb: float = 64.0
-    reload_interval_s: float = 2.0
 
 
 class ServedModel:
@@ -64,27 +51,36 @@ class ServedModel:
 
 
 class ModelSlot:
-    def __init__(self, uri: str, registry: Registry, options: ServeOptions, metrics: ServerMetrics) -> None:
+    def __init__(self, uri: str, registry: Registry, options: ServeOptions, metrics: ServerMetrics,
+                 loaded: tuple[ModelVersion, Runtime] | None = None) -> None:
+        """``loaded``: the version and runtime already loaded (and verified) at start, so that a model
+        is read and hashed once, not again when the server begins to listen."""
         self.uri, self.parsed = uri, parse_uri(uri)
         self.registry, self.options, self.metrics = registry, options, metrics
         self.current: ServedModel | None = None
         self.follows = self.parsed.version is None
+        self._loaded = loaded
 
     @property
     def name(self) -> str:
         return self.parsed.name
 
-    async def _prepare(self, version: ModelVersion) -> ServedModel:
-        """Load and warm a version off the event loop, ready to be swapped in."""
-        runtime = await asyncio.to_thread(load_runtime, self.registry, version, self.options.runtime,
-                                          self.options.threads)
+    async def _prepare(self, version: ModelVersion, runtime: Runtime | None = None) -> ServedModel:
+        """Load (unless given) and warm a version off the event loop, ready to be swapped in."""
+        if runtime is None:
+            runtime = await asyncio.to_thread(load_runtime, self.registry, version, self.options.runtime,
+                                              self.options.threads)
         served = ServedModel(version, runtime, self.options, self.metrics)
         await asyncio.to_thread(served.warm_up)
         return served
 
     async def load(self) -> None:
         """The first load: the version the URI points to at start."""
-        await self.reload_if_moved()
+        if self._loaded is None:
+            await self.reload_if_moved()
+            return
+        loaded, self._loaded = self._loaded, None
+        self.current = await self._prepare(*loaded)
 
     async def reload_if_moved(self) -> bool:
         """Swap in the version the URI points to now, if it moved (or none is loaded). True when swapped."""

@@ -1,11 +1,18 @@
-"""Running the server: resolve and check the models first (bad URIs exit 2 before anything listens),
-then uvicorn. SIGTERM turns readiness to 503 at once; uvicorn then stops accepting connections and lets
-in-flight requests finish before the process exits."""
+"""Running the server: resolve, load and verify every model first (a bad URI exits 2 before anything
+listens), then uvicorn.
+
+Shutdown is made for a load balancer: on SIGTERM readiness answers 503 at once, while inference is
+still served for ``drain_delay_s`` (the time a Kubernetes Service or a load balancer needs to see the
+503 and stop routing here); then the listener closes, requests in flight finish and the process exits
+0. A second signal exits at once."""
 
 from __future__ import annotations
 
 import logging
+import signal
 import sys
+import time
+from types import FrameType
 
 import uvicorn
 
@@ -13,41 +20,63 @@ from mlscale.registry import Registry
 from mlscale.serve.app import ServerState, build_app
 from mlscale.serve.cache import ResponseCache
 from mlscale.serve.metrics import ServerMetrics
-from mlscale.serve.models import ModelSlot, ServeOptions
+from mlscale.serve.models import ModelSlot
+from mlscale.serve.options import ServeOptions
 from mlscale.serve.runtime import load_runtime
 
+log = logging.getLogger("mlscale.serve")
 
-class _GracefulServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+
+class _DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state: ServerState, drain_delay_s: float) -> None:
         super().__init__(config)
-        self.state = state
+        self.state, self.drain_delay_s = state, drain_delay_s
+        self.drain_ends: float | None = None
+        self._announced = False
 
-    def handle_exit(self, sig: int, frame: object) -> None:
-        self.state.ready = False  # load balancers stop sending; in-flight requests still finish
-        super().handle_exit(sig, frame)
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit or self.drain_ends is not None:  # a second signal: exit now
+            self.should_exit = self.force_exit = True
+            return
+        self.state.ready = False  # load balancers stop sending; inference is still served
+        if sig == signal.SIGTERM and self.drain_delay_s > 0:
+            self.drain_ends = time.monotonic() + self.drain_delay_s
+        else:
+            self.should_exit = True
+        # Not re-raised once shut down (uvicorn's default): a drained exit is a clean exit, status 0.
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.drain_ends is not None and not self._announced:  # logged here, not in the signal handler
+            self._announced = True
+            log.warning("SIGTERM: readiness 503, inference served for %g s more", self.drain_delay_s)
+        if self.drain_ends is not None and not self.should_exit and time.monotonic() >= self.drain_ends:
+            log.warning("drain delay over: closing the listener, finishing requests in flight")
+            self.should_exit = True
+        return await super().on_tick(counter)
 
 
-def build_state(uris: list[str], options: ServeOptions, registry_location: str | None,
-                max_body_bytes: int) -> ServerState:
-    registry = Registry(registry_location)
-    for uri in uris:  # fail fast, before listening: unknown models, missing ONNX artifacts
-        load_runtime(registry, registry.resolve(uri), options.runtime, options.threads)
+def build_state(uris: list[str], options: ServeOptions, registry: Registry) -> ServerState:
+    """Every URI resolved and its runtime loaded (artifacts read and hashed) once, before listening."""
     cache = ResponseCache(int(options.cache_mb * 1024 * 1024))
     metrics = ServerMetrics(cache)
-    slots = [ModelSlot(uri, registry, options, metrics) for uri in uris]
-    return ServerState(slots, metrics, cache, max_body_bytes)
+    slots = []
+    for uri in uris:  # fail fast: unknown models, missing ONNX artifacts, undeclared tasks
+        version = registry.resolve(uri)
+        runtime = load_runtime(registry, version, options.runtime, options.threads)
+        slots.append(ModelSlot(uri, registry, options, metrics, loaded=(version, runtime)))
+    return ServerState(slots, metrics, cache, options.max_body_bytes, exec_timeout_s=options.exec_timeout_s)
 
 
-def serve(uris: list[str], *, host: str = "127.0.0.1", port: int = 8000, options: ServeOptions | None = None,
-          registry_location: str | None = None, max_body_bytes: int = 8 * 1024 * 1024,
+def serve(uris: list[str], *, options: ServeOptions | None = None, registry_location: str | None = None,
           log_level: str = "warning") -> None:
-    state = build_state(uris, options or ServeOptions(), registry_location, max_body_bytes)
+    options = options or ServeOptions()
+    state = build_state(uris, options, Registry(registry_location))
     logging.basicConfig(level=logging.WARNING, format="mlscale serve: %(message)s")
     # No proxy-header rewriting (nothing here reads the client address) and no Server/Date headers:
     # per-request work the hot path does not need.
-    config = uvicorn.Config(build_app(state), host=host, port=port, log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=30, lifespan="on", proxy_headers=False,
+    config = uvicorn.Config(build_app(state), host=options.host, port=options.port, log_level=log_level,
+                            access_log=False, timeout_graceful_shutdown=30, lifespan="on", proxy_headers=False,
                             server_header=False, date_header=False)
-    print(f"mlscale serve: {', '.join(uris)} on http://{host}:{port} (Open Inference Protocol v2, /predict, "
-          "/metrics)", file=sys.stderr, flush=True)
-    _GracefulServer(config, state).run()
+    print(f"mlscale serve: {', '.join(uris)} on http://{options.host}:{options.port} (Open Inference Protocol "
+          "v2, /predict, /metrics)", file=sys.stderr, flush=True)
+    _DrainingServer(config, state, options.drain_delay_s).run()

@@ -32,6 +32,10 @@ def serve_registry(tmp_path_factory):
     fit(TrainConfig(task="synthetic", task_options={"samples": 256, "width": 2048, "depth": 3}, steps=2,
                     run_dir=str(root / "slow")))
     register_run(registry, root / "slow", "slow")
+    # a declared test task whose model sleeps on a row starting with SLOW and raises on one with FAIL
+    fit(TrainConfig(task="tests.declared_tasks:misbehaving", task_options={"sleep_s": 2.0}, steps=2, batch_size=8,
+                    run_dir=str(root / "misbehaving")))
+    register_run(registry, root / "misbehaving", "misbehaving")
     return location
 
 

@@ -123,6 +123,40 @@ def test_with_an_slo_the_batch_size_adapts_to_the_measured_cost_and_late_request
     assert refused > 0  # 400 requests at once cannot all finish within 50 ms
 
 
+class PerRow(Doubler):
+    """A batch costs ``fixed_s`` plus ``per_row_s`` a row, and the per-row cost can change mid-run (a
+    noisy neighbour, thermal throttling): the SLO controller must follow it."""
+
+    def __init__(self, fixed_s: float, per_row_s: float) -> None:
+        super().__init__()
+        self.fixed_s, self.per_row_s = fixed_s, per_row_s
+
+    def run(self, batch: np.ndarray) -> np.ndarray:
+        time.sleep(self.fixed_s + self.per_row_s * len(batch))
+        return batch * 2
+
+
+def test_the_slo_batch_target_shrinks_when_batches_get_dearer_and_grows_back_when_they_get_cheaper():
+    async def learn(batcher, runtime, per_row_s):
+        runtime.per_row_s = per_row_s
+        for _ in range(25):  # the cost model forgets old batches (decay 0.98): enough to move it
+            for n in (2, 8, 16):
+                await batcher.submit(np.ones((n, 2), dtype=np.float32))
+        return batcher.batch_target()
+
+    async def scenario():
+        runtime = PerRow(fixed_s=0.001, per_row_s=0.0002)
+        batcher = make(runtime, max_batch_size=256, slo_s=0.03)
+        targets = [await learn(batcher, runtime, cost) for cost in (0.0002, 0.0008, 0.0002)]
+        await batcher.close()
+        return targets
+
+    cheap, dear, cheap_again = asyncio.run(scenario())
+    # half the SLO (15 ms) over the per-row cost: ~70 rows at 0.2 ms, ~17 at 0.8 ms
+    assert 35 <= cheap <= 100 and 8 <= dear <= 25, (cheap, dear)
+    assert dear < cheap / 2 and cheap_again > 1.5 * dear
+
+
 def test_cache_keys_use_the_decoded_input_and_the_model_content():
     a = np.array([[1, 0.0]], dtype=np.float32)
     b = np.array([[1.0, -0.0]], dtype=np.float32)

@@ -99,8 +99,8 @@ def test_sigterm_lets_in_flight_requests_finish(serve_registry):
 
         results = asyncio.run(scenario())
         assert all(not isinstance(r, Exception) and r.status_code == 200 for r in results), results
-        # uvicorn re-raises the SIGTERM it handled once shutdown is complete, as a service manager expects
-        assert process.wait(timeout=30) in (0, -signal.SIGTERM)
+        # a drained shutdown is a clean exit
+        assert process.wait(timeout=30) == 0
 
 
 def test_after_a_version_change_the_cache_never_answers_with_the_old_version(serve_registry):

@@ -1,0 +1,33 @@
+"""One validated options model for the server: the Python API refuses what the CLI refuses."""
+
+import pytest
+from pydantic import ValidationError
+
+from mlscale.cli import main
+from mlscale.serve import ServeOptions
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("max_batch_size", 0), ("queue_limit", 0), ("threads", 0), ("port", 70000), ("slo_ms", 0),
+    ("max_delay_ms", -1), ("cache_mb", -1), ("timeout_ms", 0), ("drain_delay_s", -1), ("exec_timeout_s", 0),
+    ("runtime", "tensorrt"), ("reload_interval_s", 0),
+])
+def test_a_bad_value_is_refused_by_the_python_api_and_by_the_cli_with_one_line(field, value, capsys):
+    with pytest.raises(ValidationError):
+        ServeOptions(**{field: value})
+    flag = "--" + field.replace("_", "-")
+    if field == "runtime":
+        with pytest.raises(SystemExit):  # argparse's choices
+            main(["serve", "models:/m/1", flag, str(value)])
+        return
+    assert main(["serve", "models:/m/1", flag, str(value)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"mlscale: error: bad value {field.replace('_', '-')}={value}") and "\n" not in err
+
+
+def test_options_are_immutable_and_unknown_ones_are_refused():
+    options = ServeOptions(max_batch_size=8)
+    with pytest.raises(ValidationError):
+        options.max_batch_size = 0
+    with pytest.raises(ValidationError):
+        ServeOptions(max_batchsize=8)
