@@ -194,7 +194,8 @@ def _mirror(args: argparse.Namespace) -> int:
 
     registry = _registry(args)
     result = mirror_version(registry, registry.resolve(args.uri), args.mlflow_uri)
-    print(as_json(result) if args.json else f"mirrored to MLflow: model {result['name']} version {result['version']} "
+    done = "mirrored to MLflow" if result["created"] else "already in MLflow (same URI and content)"
+    print(as_json(result) if args.json else f"{done}: model {result['name']} version {result['version']} "
           f"(run {result['run_id']})")
     return 0
 

@@ -2,10 +2,14 @@
 artifacts and aliases, so teams on MLflow see the same model.
 
 MLflow numbers versions itself; ours is kept in the tags ``mlscale.uri`` and ``mlscale.version``.
+Mirroring is idempotent: each MLflow version is tagged with mlscale's URI and a content hash of the
+version's artifacts (``mlscale.content_sha256``); mirroring a version whose URI and content are
+already in MLflow creates no second run or version, it only brings the aliases up to date.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from pathlib import Path
@@ -35,6 +39,24 @@ def _numeric_metrics(metrics: dict[str, Any]) -> dict[str, float]:
     return result
 
 
+def content_hash(version: ModelVersion) -> str:
+    """One SHA-256 over the version's artifacts (name and registered SHA-256 of each, in name order)."""
+    digest = hashlib.sha256()
+    for name in sorted(version.artifacts):
+        digest.update(f"{name}\0{version.artifacts[name].sha256}\n".encode())
+    return digest.hexdigest()
+
+
+def _already_mirrored(client: Any, version: ModelVersion, content: str) -> Any | None:
+    """The MLflow version that mirrors this URI with this content, if there is one."""
+    if not client.search_registered_models(filter_string=f"name = '{version.name}'"):
+        return None
+    for mirrored in client.search_model_versions(f"name = '{version.name}'"):
+        if mirrored.tags.get("mlscale.uri") == version.uri and mirrored.tags.get("mlscale.content_sha256") == content:
+            return mirrored
+    return None
+
+
 def mirror_version(registry: Registry, version: ModelVersion, tracking_uri: str,
                    artifact_root: str | None = None) -> dict[str, Any]:
     try:
@@ -52,7 +74,13 @@ def mirror_version(registry: Registry, version: ModelVersion, tracking_uri: str,
         experiment = client.get_experiment_by_name("mlscale")
         experiment_id = experiment.experiment_id if experiment else client.create_experiment(
             "mlscale", artifact_location=Path(artifact_root).as_uri() if artifact_root else None)
-        tags = {"mlscale.uri": version.uri, "mlscale.version": str(version.version),
+        content = content_hash(version)
+        existing = _already_mirrored(client, version, content)
+        if existing is not None:
+            _set_aliases(client, version, existing.version)
+            return {"name": version.name, "version": int(existing.version), "run_id": existing.run_id,
+                    "aliases": version.aliases, "created": False}
+        tags = {"mlscale.uri": version.uri, "mlscale.version": str(version.version), "mlscale.content_sha256": content,
                 "mlscale.source_run": version.source_run or "", "mlscale.data_fingerprint":
                 version.data_fingerprint or "", **{f"mlscale.tag.{k}": v for k, v in version.tags.items()}}
         run = client.create_run(experiment_id, tags=tags, run_name=f"{version.name}-v{version.version}")
@@ -68,8 +96,13 @@ def mirror_version(registry: Registry, version: ModelVersion, tracking_uri: str,
             client.create_registered_model(version.name, description=version.description or None)
         mirrored = client.create_model_version(version.name, source=f"runs:/{run_id}/model", run_id=run_id,
                                                tags=tags, description=version.description or None)
-        for alias in version.aliases:
-            client.set_registered_model_alias(version.name, alias, mirrored.version)
+        _set_aliases(client, version, mirrored.version)
     except MlflowException as exc:
         raise MlscaleError(f"MLflow at {tracking_uri} refused the mirror: {exc.message}") from None
-    return {"name": version.name, "version": int(mirrored.version), "run_id": run_id, "aliases": version.aliases}
+    return {"name": version.name, "version": int(mirrored.version), "run_id": run_id, "aliases": version.aliases,
+            "created": True}
+
+
+def _set_aliases(client: Any, version: ModelVersion, mlflow_version: str) -> None:
+    for alias in version.aliases:
+        client.set_registered_model_alias(version.name, alias, mlflow_version)

@@ -1,14 +1,12 @@
 """Mirroring a version into a real (SQLite-backed) MLflow tracking and registry store."""
 
-import pytest
-
 from mlscale.registry import Registry, register_run
 from mlscale.registry.mlflow_mirror import mirror_version
-
-mlflow = pytest.importorskip("mlflow")
+from tests.conftest import require_module
 
 
 def test_a_version_appears_in_mlflow_with_params_metrics_artifacts_and_aliases(tmp_path, trained_runs):
+    require_module("mlflow")
     from mlflow.tracking import MlflowClient
 
     registry = Registry(str(tmp_path / "registry"))
@@ -23,3 +21,23 @@ def test_a_version_appears_in_mlflow_with_params_metrics_artifacts_and_aliases(t
     assert run.data.params["task"] == "digits" and run.data.params["batch_size"] == "32"
     assert 0 < run.data.metrics["eval.accuracy"] <= 1
     assert [a.path for a in client.list_artifacts(result["run_id"], "model")] == ["model/model.safetensors"]
+
+
+def test_mirroring_the_same_version_twice_creates_no_second_run_or_version(tmp_path, trained_runs):
+    require_module("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    registry = Registry(str(tmp_path / "registry"))
+    register_run(registry, trained_runs["digits"], "digits")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    first = mirror_version(registry, registry.resolve("models:/digits/1"), uri)
+    registry.set_alias("digits", 1, "champion")  # an alias added since is brought over by the second mirror
+    second = mirror_version(registry, registry.resolve("models:/digits/1"), uri)
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    assert first["created"] and not second["created"]
+    assert (second["version"], second["run_id"]) == (first["version"], first["run_id"])
+    assert len(client.search_model_versions("name = 'digits'")) == 1
+    experiment = client.get_experiment_by_name("mlscale")
+    assert len(client.search_runs([experiment.experiment_id])) == 1
+    mirrored = client.get_model_version_by_alias("digits", "champion")
+    assert mirrored.tags["mlscale.content_sha256"] and int(mirrored.version) == first["version"]

@@ -1,28 +1,18 @@
-"""The same registry on a real PostgreSQL server: versions, URIs, concurrent registration."""
+"""The same registry on a real PostgreSQL server (each test in a schema of its own): versions, URIs,
+concurrent registration with every artifact intact and no staging leftovers."""
 
 import subprocess
 import sys
 import time
 
-import pytest
-
 from mlscale.registry import Registry, register_run
 from tests.helpers import REPO
-from tests.registry import postgres
 from tests.registry.test_concurrency import WORKER
 
-pytestmark = pytest.mark.skipif(not postgres.available(), reason="PostgreSQL server binaries are not installed")
 
-
-@pytest.fixture(scope="module")
-def pg_url():
-    with postgres.temporary_server() as url:
-        yield url
-
-
-def test_register_promote_alias_and_resolve_on_postgres(pg_url, tmp_path, trained_runs, monkeypatch):
+def test_register_promote_alias_and_resolve_on_postgres(postgres_url, tmp_path, trained_runs, monkeypatch):
     monkeypatch.setenv("MLSCALE_ARTIFACTS", str(tmp_path / "artifacts"))
-    registry = Registry(pg_url)
+    registry = Registry(postgres_url)
     assert register_run(registry, trained_runs["digits"], "pg-digits").version == 1
     assert register_run(registry, trained_runs["digits"], "pg-digits").version == 2
     registry.set_stage("pg-digits", 2, "Production", archive_existing=True)
@@ -32,15 +22,24 @@ def test_register_promote_alias_and_resolve_on_postgres(pg_url, tmp_path, traine
     assert [h["action"] for h in registry.history("pg-digits")][-2:] == ["stage", "alias:previous"]
 
 
-def test_concurrent_registrations_on_postgres(pg_url, tmp_path, trained_runs):
-    env_artifacts = str(tmp_path / "artifacts")
+def test_concurrent_registrations_on_postgres_keep_every_artifact_intact(postgres_url, tmp_path, trained_runs,
+                                                                         monkeypatch):
+    artifacts = tmp_path / "artifacts"
+    monkeypatch.setenv("MLSCALE_ARTIFACTS", str(artifacts))
+    Registry(postgres_url)  # this test's schema gets its tables once, as a team's first user would
     weights = trained_runs["digits"] / "final" / "model.safetensors"
     start, processes, count = time.time() + 3, 4, 5
-    env = {"MLSCALE_ARTIFACTS": env_artifacts, "PATH": "/usr/bin:/bin"}
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, pg_url, str(weights), str(start), str(count)],
+    env = {"MLSCALE_ARTIFACTS": str(artifacts), "PATH": "/usr/bin:/bin"}
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, postgres_url, str(weights), str(start), str(count)],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
              for _ in range(processes)]
     outputs = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 for p in procs), [err for _, err in outputs]
     returned = sorted(int(line) for out, _ in outputs for line in out.split())
     assert returned == list(range(1, processes * count + 1))
+    registry = Registry(postgres_url)
+    versions = registry.versions("racy")
+    assert [v.version for v in versions] == returned
+    for version in versions:  # every version's artifact is in place and its SHA-256 verifies
+        assert registry.artifact_path(version, "model.safetensors").read_bytes() == weights.read_bytes()
+    assert sorted(p.name for p in (artifacts / "racy").iterdir()) == sorted(str(v) for v in returned)

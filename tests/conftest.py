@@ -1,0 +1,59 @@
+"""Real services for the tests that need them: PostgreSQL (and MLflow, a package) are used for real.
+
+Each test gets its own PostgreSQL schema. Without the service a test is skipped with its reason, so a
+user's ``make test`` runs everywhere; in CI (``MLSCALE_REQUIRE_SERVICES=1``, set by ``.ci/run``) a
+missing server or package fails the test instead, so nothing is silently left untested.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import uuid
+from types import ModuleType
+from urllib.parse import quote
+
+import pytest
+
+POSTGRES_URL = os.environ.get("MLSCALE_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
+
+
+def services_required() -> bool:
+    return os.environ.get("MLSCALE_REQUIRE_SERVICES") == "1"
+
+
+def unavailable(reason: str) -> None:
+    """Skip, or fail where the services are required."""
+    if services_required():
+        pytest.fail(f"{reason} (MLSCALE_REQUIRE_SERVICES=1: the test may not skip)", pytrace=False)
+    pytest.skip(reason)
+
+
+def require_module(name: str) -> ModuleType:
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        unavailable(f"{name} is not installed ({exc})")
+        raise  # unreachable: unavailable() raises
+
+
+@pytest.fixture
+def postgres_url():
+    """A SQLAlchemy URL whose connections use a fresh schema of the PostgreSQL server; dropped after."""
+    sqlalchemy = require_module("sqlalchemy")
+    require_module("psycopg")
+    engine = sqlalchemy.create_engine(POSTGRES_URL)
+    schema = f"mlscale_test_{uuid.uuid4().hex[:12]}"
+    try:
+        with engine.begin() as conn:
+            conn.exec_driver_sql(f"CREATE SCHEMA {schema}")
+    except sqlalchemy.exc.OperationalError as exc:
+        engine.dispose()
+        unavailable(f"no PostgreSQL server at {POSTGRES_URL.split('@')[-1]} ({str(exc.orig).strip().splitlines()[0]})")
+    separator = "&" if "?" in POSTGRES_URL else "?"
+    try:
+        yield f"{POSTGRES_URL}{separator}options={quote(f'-csearch_path={schema}')}"
+    finally:
+        with engine.begin() as conn:
+            conn.exec_driver_sql(f"DROP SCHEMA {schema} CASCADE")
+        engine.dispose()
