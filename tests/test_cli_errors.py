@@ -20,6 +20,10 @@ from tests.helpers import run_cli
     (["--keep-checkpoints", "0"], "keep-checkpoints=0"),
     (["--config", "/no/such/file.toml"], "/no/such/file.toml"),
     (["--task", "digits", "--task-opt", "model=rnn"], "rnn"),
+    (["--batch-size", "5000"], "batch-size=5000"),
+    (["--workers", "2", "--batch-size", "1000"], "batch-size=1000"),
+    (["--fault", "kill:rank=5:step=2"], "rank 5 does not exist"),
+    (["--device", "cuda"], "device='cuda'"),
 ])
 def test_bad_values_exit_2_with_one_line_naming_them(args, named, capsys, tmp_path):
     code = main(["train", *args, "--steps", "1", "--run-dir", str(tmp_path / "run")])

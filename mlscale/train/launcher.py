@@ -16,10 +16,12 @@ import uuid
 from typing import Any
 
 from mlscale.config import TrainConfig
+from mlscale.data import steps_per_epoch
 from mlscale.errors import UsageError, WorkerFailed
 from mlscale.tasks import make_task
 from mlscale.train.checkpoint import Checkpointer
 from mlscale.train.dist import under_launcher
+from mlscale.train.faults import parse_fault
 from mlscale.train.rundir import RunDir
 from mlscale.train.strategies import strategy_class
 from mlscale.train.trainer import JOB_START_ENV
@@ -34,7 +36,9 @@ _KNOCK_ON = re.compile(r"Connection closed by peer|Connection reset|Broken pipe|
 def fit(config: TrainConfig) -> dict[str, Any]:
     """Run a training job to the end; returns ``report.json`` (DESIGN.md §3) as a dict."""
     strategy_class(config.strategy)
-    make_task(config.task, config.task_options)  # fail fast, with exit 2, on a bad task
+    task = make_task(config.task, config.task_options)  # fail fast, with exit 2, on a bad task
+    world = int(os.environ.get("WORLD_SIZE", config.workers)) if under_launcher() else config.workers
+    check_job(config, len(task.train), world)
     if config.run_dir is None:
         config = config.model_copy(update={"run_dir": default_run_dir(config.task)})
     run_dir = RunDir(config.run_dir)
@@ -46,6 +50,24 @@ def fit(config: TrainConfig) -> dict[str, Any]:
         return _run_here(config, run_dir, rank=0)
     _launch_local(config, run_dir)
     return run_dir.read_report()
+
+
+def check_job(config: TrainConfig, train_size: int, world: int) -> None:
+    """Everything about the job that can be checked before a worker starts: a mistake is one line and
+    exit 2 here, not a worker's traceback later."""
+    import torch
+
+    if steps_per_epoch(train_size, world, config.batch_size) == 0:
+        raise UsageError(f"bad value batch-size={config.batch_size}: {config.batch_size} per worker x {world} "
+                         f"worker(s) is more than the {train_size:,} training samples of task {config.task!r}")
+    for spec in config.faults:
+        fault = parse_fault(spec)
+        if fault.kind != "kill_during_checkpoint" and fault.rank >= world:
+            raise UsageError(f"bad value fault={spec!r}: rank {fault.rank} does not exist with {world} worker(s) "
+                             f"(ranks 0..{world - 1})")
+    if config.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("bad value device='cuda': no CUDA device is available here (torch "
+                         f"{torch.__version__}); use --device cpu or auto")
 
 
 def default_run_dir(task: str) -> str:
