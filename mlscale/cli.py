@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from mlscale.cli_models import add_export, add_models, add_registry_option
+from mlscale.cli_parsers import LazyParser
 from mlscale.cli_serve import add_serve
 from mlscale.errors import MlscaleError, UsageError
 
@@ -113,47 +114,34 @@ def print_train_summary(report: dict[str, Any]) -> None:
         print(f"{name:<{width}}  {value}")
 
 
+# name -> (module with add_arguments and run_from_args, help)
+BENCHMARKS = {
+    "train": ("mlscale.bench.train", "our trainer vs a plain hand-written DDP loop"),
+    "checkpoint": ("mlscale.bench.checkpoint", "training stall of checkpointing, blocking vs async"),
+    "export": ("mlscale.bench.export", "inference latency, onnxruntime vs eager torch, digits models"),
+    "serve": ("mlscale.bench.serve", "serving goodput at an SLO vs LitServe, FastAPI and offline"),
+}
+
+
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks against the anchors (JSON + PNG)")
-    bench_sub = p.add_subparsers(dest="what", required=True)
-    from mlscale.bench.train import add_arguments
-
-    t = bench_sub.add_parser("train", help="our trainer vs a plain hand-written DDP loop",
-                             description="Runs our trainer and a plain torch DDP loop alternately on the "
-                             "same model, data, world size and steps; reports samples/s and their ratio.")
-    add_arguments(t)
-    t.set_defaults(handler=lambda args: _bench("train", args))
-    from mlscale.bench import checkpoint
-
-    c = bench_sub.add_parser("checkpoint", help="training stall of checkpointing, blocking vs async",
-                             description=checkpoint.__doc__.split("\n\n")[1] if checkpoint.__doc__ else None)
-    checkpoint.add_arguments(c)
-    c.set_defaults(handler=lambda args: _bench("checkpoint", args))
-    from mlscale.bench import export
-
-    e = bench_sub.add_parser("export", help="inference latency, onnxruntime vs eager torch, digits models",
-                             description=export.__doc__.split("\n\n")[1] if export.__doc__ else None)
-    export.add_arguments(e)
-    e.set_defaults(handler=lambda args: _bench("export", args))
-    from mlscale.bench import serve
-
-    v = bench_sub.add_parser("serve", help="serving goodput at an SLO vs LitServe, FastAPI and offline",
-                             description=serve.__doc__.split("\n\n")[1] if serve.__doc__ else None)
-    serve.add_arguments(v)
-    v.set_defaults(handler=lambda args: _bench("serve", args))
+    bench_sub = p.add_subparsers(dest="what", required=True, parser_class=LazyParser)
+    for name, (module, text) in BENCHMARKS.items():  # each imports its module only when it is run
+        bench = bench_sub.add_parser(name, help=text, arguments=f"{module}:add_arguments")
+        bench.set_defaults(handler=lambda args, module=module: _bench(module, args))
 
 
-def _bench(what: str, args: argparse.Namespace) -> int:
+def _bench(module: str, args: argparse.Namespace) -> int:
     import importlib
 
-    importlib.import_module(f"mlscale.bench.{what}").run_from_args(args)
+    importlib.import_module(module).run_from_args(args)
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mlscale", description="Scale a PyTorch model from one worker to "
                                      "many, then serve it.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=LazyParser)
     _add_train(sub)
     add_models(sub)
     add_export(sub)

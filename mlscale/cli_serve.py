@@ -31,15 +31,20 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
         "the new version is loaded in the background and swapped in without failing a request. On SIGTERM, "
         "readiness answers 503 at once, inference goes on for --drain-delay-s, then in-flight requests "
         "finish and the server exits 0; a second signal exits at once.",
-        epilog="example: mlscale serve models:/digits@production --max-batch-size 64 --slo-ms 50\n"
-        "behind a Kubernetes Service: --host 0.0.0.0 --drain-delay-s 10 --exec-timeout-s 30")
+        epilog="example: mlscale serve models:/digits@production --max-batch-size 64 --slo-ms 50; behind a "
+        "Kubernetes Service add --host 0.0.0.0 --drain-delay-s 10 --exec-timeout-s 30",
+        # built only when `serve` runs: the options model (pydantic) stays out of every other command
+        arguments="mlscale.cli_serve:add_serve_arguments")
+    p.set_defaults(handler=_serve)
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("uris", nargs="+", metavar="MODEL_URI")
     for flag, kind in _FLAGS.items():
         p.add_argument(flag, type=kind, help=_field_help(flag[2:].replace("-", "_")))
     p.add_argument("--runtime", choices=["auto", "onnx", "torch"],
                    help="auto (default): onnxruntime when the version has an ONNX export, else torch")
     add_registry_option(p)
-    p.set_defaults(handler=_serve)
 
 
 def _serve(args: argparse.Namespace) -> int:

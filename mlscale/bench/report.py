@@ -7,21 +7,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from mlscale.plotting import pyplot, save_figure
 
-def pyplot() -> Any:
-    """matplotlib's pyplot on the file-only Agg backend (no display on servers and in CI)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def save_figure(fig: Any, path: Path) -> None:
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    pyplot().close(fig)
+__all__ = ["pyplot", "save_figure", "write_results"]
 
 
 def write_results(out: str | Path, name: str, results: dict[str, Any],

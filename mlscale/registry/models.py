@@ -14,14 +14,13 @@ from safetensors.torch import load_file
 from torch import nn
 
 from mlscale.config import TrainConfig
+from mlscale.dtypes import v2_datatype
 from mlscale.errors import UsageError
 from mlscale.registry.store import ModelVersion, Registry
+from mlscale.rundir import RunDir
 from mlscale.tasks import Task, make_task
-from mlscale.train.rundir import RunDir
 
 WEIGHTS = "model.safetensors"
-_DATATYPES = {torch.float32: "FP32", torch.float64: "FP64", torch.float16: "FP16", torch.bfloat16: "BF16",
-              torch.int64: "INT64", torch.int32: "INT32"}
 
 
 def task_of(config: dict[str, Any]) -> Task:
@@ -38,8 +37,8 @@ def signature_of(config: dict[str, Any], task: Task | None = None) -> dict[str, 
     with torch.no_grad():
         output = model(sample)
     return {
-        "inputs": [{"name": "input", "datatype": _DATATYPES[sample.dtype], "shape": [-1, *sample.shape[1:]]}],
-        "outputs": [{"name": "output", "datatype": _DATATYPES[output.dtype], "shape": [-1, *output.shape[1:]]}],
+        "inputs": [{"name": "input", "datatype": v2_datatype(sample.dtype), "shape": [-1, *sample.shape[1:]]}],
+        "outputs": [{"name": "output", "datatype": v2_datatype(output.dtype), "shape": [-1, *output.shape[1:]]}],
     }
 
 

@@ -12,13 +12,12 @@ from typing import Protocol
 
 import numpy as np
 
+from mlscale.dtypes import V2_TO_NAME
 from mlscale.errors import UsageError
 from mlscale.registry import ModelVersion, Registry
 
-V2_TO_NUMPY = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64,
-               "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64, "FP16": np.float16,
-               "FP32": np.float32, "FP64": np.float64}
-NUMPY_TO_V2 = {np.dtype(v): k for k, v in V2_TO_NUMPY.items()}
+V2_TO_NUMPY = {v2: np.dtype(name) for v2, name in V2_TO_NAME.items() if v2 != "BF16"}
+NUMPY_TO_V2 = {dtype: v2 for v2, dtype in V2_TO_NUMPY.items()}
 
 
 class Runtime(Protocol):
@@ -61,7 +60,7 @@ class TensorSpec:
 
     @cached_property  # read on every request
     def dtype(self) -> np.dtype:
-        return np.dtype(V2_TO_NUMPY[self.datatype])
+        return V2_TO_NUMPY[self.datatype]
 
 
 def load_runtime(registry: Registry, version: ModelVersion, kind: str = "auto", threads: int = 1) -> Runtime:

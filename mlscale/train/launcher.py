@@ -18,11 +18,11 @@ from typing import Any
 from mlscale.config import TrainConfig
 from mlscale.data import steps_per_epoch
 from mlscale.errors import UsageError, WorkerFailed
+from mlscale.rundir import RunDir
 from mlscale.tasks import make_task
 from mlscale.train.checkpoint import Checkpointer
 from mlscale.train.dist import under_launcher
 from mlscale.train.faults import parse_fault
-from mlscale.train.rundir import RunDir
 from mlscale.train.strategies import strategy_class
 from mlscale.train.trainer import JOB_START_ENV
 from mlscale.train.worker import run_worker, save_traceback, traceback_path

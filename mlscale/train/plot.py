@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mlscale.train.rundir import RunDir
+from mlscale.rundir import RunDir
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    from mlscale.bench.report import pyplot, save_figure
+    from mlscale.plotting import pyplot, save_figure
 
     plt = pyplot()
     run = RunDir(run_dir)

@@ -22,13 +22,13 @@ import torch
 from mlscale.config import TrainConfig
 from mlscale.data import Position, ShardLoader, steps_per_epoch
 from mlscale.lineage import code_version, data_fingerprint
+from mlscale.rundir import RunDir
 from mlscale.tasks import make_task
 from mlscale.train.checkpoint import Checkpointer, capture_rng, restore_rng
 from mlscale.train.dist import DistEnv, all_gather_floats, all_gather_objects
 from mlscale.train.faults import FaultInjector
 from mlscale.train.progress import Progress
 from mlscale.train.recovery import Heartbeat, RecoveryTracker, recovery_summary
-from mlscale.train.rundir import RunDir
 from mlscale.train.stragglers import flag_stragglers
 from mlscale.train.strategies import strategy_class
 from mlscale.train.timing import median, now

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from mlscale.config import TrainConfig
+from mlscale.rundir import RunDir
 from mlscale.train.dist import init_distributed, shutdown_distributed
-from mlscale.train.rundir import RunDir
 from mlscale.train.trainer import Trainer
 
 

@@ -1,16 +1,19 @@
-"""The run directory (DESIGN.md §3): the one writer of config.json, metrics.jsonl, final weights and
-report.json, so every command and test reads the same layout."""
+"""The run directory (its layout is a contract: docs/architecture.md): the one writer and reader of
+config.json, metrics.jsonl, final weights and report.json, so every part reads the same layout.
+
+It lives outside ``train`` because training writes it and others (the registry, plots, the demo) read
+it: a lower part never imports a higher one. Torch is needed only to write the final weights."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
-
-from safetensors.torch import save_file
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from mlscale.io import atomic_write, atomic_write_json
+
+if TYPE_CHECKING:
+    from torch import nn
 
 
 class RunDir:
@@ -40,6 +43,8 @@ class RunDir:
         return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
 
     def write_final_model(self, model: nn.Module, metadata: dict[str, str] | None = None) -> None:
+        from safetensors.torch import save_file
+
         tensors = {name: t.detach().cpu().contiguous() for name, t in model.state_dict().items()}
         atomic_write(self.final_model_path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
 
