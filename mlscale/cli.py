@@ -42,7 +42,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                        "overridden by the flags given here.",
                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", metavar="FILE", help="TOML or JSON file with any of the keys below")
-    p.add_argument("--task", help="built-in task (digits, digits-cnn, synthetic) or package.module:factory")
+    p.add_argument("--task", help="built-in task (digits, digits-cnn, synthetic), a factory declared with "
+                   "@mlscale.declare_task (package.module:factory) or an installed mlscale.tasks entry point")
     p.add_argument("--task-opt", action="append", type=_task_option, metavar="KEY=VALUE",
                    help="option passed to the task factory (repeatable), e.g. hidden=256")
     p.add_argument("--workers", type=int, help="worker processes on this machine (default 1)")

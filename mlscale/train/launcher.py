@@ -34,7 +34,7 @@ _KNOCK_ON = re.compile(r"Connection closed by peer|Connection reset|Broken pipe|
 
 
 def fit(config: TrainConfig) -> dict[str, Any]:
-    """Run a training job to the end; returns ``report.json`` (DESIGN.md §3) as a dict."""
+    """Run a training job to the end; returns ``report.json`` (its keys: docs/architecture.md) as a dict."""
     strategy_class(config.strategy)
     task = make_task(config.task, config.task_options)  # fail fast, with exit 2, on a bad task
     world = int(os.environ.get("WORLD_SIZE", config.workers)) if under_launcher() else config.workers

@@ -1,4 +1,4 @@
-"""The run directory holds exactly what DESIGN.md §3 promises, with measured per-rank timings."""
+"""The run directory holds exactly what docs/architecture.md promises, with measured per-rank timings."""
 
 import json
 
