@@ -6,6 +6,7 @@ through torch's elastic launcher (the API behind torchrun).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -13,11 +14,15 @@ import signal
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
-from mlscale.config import TrainConfig
+from pydantic import ValidationError
+
+from mlscale.config import TrainConfig, describe_error
 from mlscale.data import steps_per_epoch
 from mlscale.errors import UsageError, WorkerFailed
+from mlscale.io import atomic_write
 from mlscale.rundir import RunDir
 from mlscale.tasks import make_task
 from mlscale.train.checkpoint import Checkpointer
@@ -34,7 +39,12 @@ _KNOCK_ON = re.compile(r"Connection closed by peer|Connection reset|Broken pipe|
 
 
 def fit(config: TrainConfig) -> dict[str, Any]:
-    """Run a training job to the end; returns ``report.json`` (its keys: docs/architecture.md) as a dict."""
+    """Run a training job to the end; returns ``report.json`` (its keys: docs/architecture.md) as a dict.
+
+    With ``resume``, the run's saved configuration is the base and only the fields given explicitly
+    (``--steps``, ``--workers``...) override it."""
+    if config.resume and config.run_dir is not None and not under_launcher():
+        config = resumed_config(config)
     strategy_class(config.strategy)
     task = make_task(config.task, config.task_options)  # fail fast, with exit 2, on a bad task
     world = int(os.environ.get("WORLD_SIZE", config.workers)) if under_launcher() else config.workers
@@ -45,11 +55,41 @@ def fit(config: TrainConfig) -> dict[str, Any]:
     os.environ.setdefault(JOB_START_ENV, str(time.time()))
     if under_launcher():
         return _run_here(config, run_dir, rank=int(os.environ.get("RANK", 0)))
-    _prepare(config, run_dir)
-    if config.workers == 1:
-        return _run_here(config, run_dir, rank=0)
-    _launch_local(config, run_dir)
+    with _unchanged_unless_it_trains(run_dir):
+        _prepare(config, run_dir)
+        if config.workers == 1:
+            return _run_here(config, run_dir, rank=0)
+        _launch_local(config, run_dir)
     return run_dir.read_report()
+
+
+def resumed_config(config: TrainConfig) -> TrainConfig:
+    """The run's saved configuration with the explicitly given fields of ``config`` on top."""
+    run_dir = RunDir(config.run_dir or "")
+    if not run_dir.config_path.exists():
+        return config  # _prepare says there is nothing to resume
+    saved = run_dir.read_config()
+    given = {name: getattr(config, name) for name in config.model_fields_set}
+    try:
+        return TrainConfig(**{**saved, **given, "resume": True})
+    except ValidationError as exc:
+        raise UsageError(describe_error(exc)) from None
+
+
+@contextlib.contextmanager
+def _unchanged_unless_it_trains(run_dir: RunDir) -> Iterator[None]:
+    """A start that fails before its first checkpoint leaves the run directory's files as they were:
+    ``config.json`` (rewritten by ``_prepare`` for the workers to read) and ``report.json`` (a failed
+    job writes one) are put back. Once training has checkpointed, the failure is part of the run."""
+    kept = {path: path.read_bytes() for path in (run_dir.config_path, run_dir.report_path) if path.exists()}
+    newest = Checkpointer(run_dir.checkpoints).latest()
+    try:
+        yield
+    except BaseException:
+        if kept and Checkpointer(run_dir.checkpoints).latest() == newest:
+            for path, data in kept.items():
+                atomic_write(path, lambda tmp, data=data: tmp.write_bytes(data))
+        raise
 
 
 def check_job(config: TrainConfig, train_size: int, world: int) -> None:
@@ -131,7 +171,7 @@ def _failure_paragraph(config: TrainConfig, run_dir: RunDir, rank: int, how: str
     latest = Checkpointer(run_dir.checkpoints).latest()
     if latest is not None:
         lines.append(f"  last good checkpoint: {latest}")
-        lines.append(f"  resume with: mlscale train --config {run_dir.config_path} --resume")
+        lines.append(f"  resume with: mlscale train --run-dir {run_dir.path} --resume")
     else:
         lines.append("  no checkpoint was written (see --checkpoint-every).")
     where = traceback_path(run_dir, rank)

@@ -60,7 +60,7 @@ def test_out_of_restarts_a_hang_fails_naming_the_rank_and_how_to_resume(tmp_path
     assert result.returncode == 1
     assert "worker rank 1 stopped responding" in result.stderr and "5 s" in result.stderr
     assert "last good checkpoint:" in result.stderr and "step_00000005.pt" in result.stderr
-    assert f"mlscale train --config {run_dir}/config.json --resume" in result.stderr
+    assert f"mlscale train --run-dir {run_dir} --resume" in result.stderr
     assert "Traceback" not in result.stderr
     assert report["status"] == "failed" and report["error"]["rank"] == 1
 
@@ -72,7 +72,7 @@ def test_out_of_restarts_a_kill_fails_with_one_paragraph_and_the_resume_command_
     assert lines[0] == "mlscale: training failed: worker rank 1 was killed by SIGKILL."
     assert "restarts used: 0 of 0" in result.stderr
     assert "step_00000005.pt" in result.stderr and "Traceback" not in result.stderr
-    resumed = run_cli("train", "--config", str(run_dir / "config.json"), "--resume")
+    resumed = run_cli("train", "--run-dir", str(run_dir), "--resume")
     assert resumed.returncode == 0, resumed.stderr
     assert_same_run(final_weights(run_dir), clean_run)
 

@@ -1,5 +1,6 @@
 """A run stopped at step k and resumed ends bit-identical to the uninterrupted run."""
 
+import json
 import shutil
 
 import pytest
@@ -65,3 +66,50 @@ def test_a_finished_run_dir_is_not_overwritten(tmp_path):
     with pytest.raises(UsageError, match="already holds a run"):
         fit(TrainConfig(task="digits", steps=2, seed=1, run_dir=str(tmp_path / "run")))
     assert (tmp_path / "run" / "final" / "model.safetensors").read_bytes() == before
+
+
+def _files(run_dir):
+    """Every file of a run directory and its bytes."""
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def cnn_run(tmp_path_factory):
+    """A finished 1-worker digits-cnn run with checkpoints, as a user's `runs/cnn` would be."""
+    run_dir = tmp_path_factory.mktemp("cnn") / "run"
+    result = run_cli("train", "--task", "digits-cnn", "--steps", "20", "--checkpoint-every", "10", "--batch-size", "16",
+                     "--run-dir", str(run_dir))
+    assert result.returncode == 0, result.stderr
+    return run_dir
+
+
+def test_resume_from_the_run_directory_alone_takes_the_saved_configuration(cnn_run, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(cnn_run, run_dir)
+    result = run_cli("train", "--run-dir", str(run_dir), "--steps", "30", "--resume")
+    assert result.returncode == 0, result.stderr
+    config = json.loads((run_dir / "config.json").read_text())
+    assert (config["task"], config["steps"], config["batch_size"], config["workers"]) == ("digits-cnn", 30, 16, 1)
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["task"] == "digits-cnn" and report["steps"] == 30 and report["resumed_from_step"] == 20
+    # a flag names what it changes, and only that: two workers now, the global batch notice says so
+    result = run_cli("train", "--run-dir", str(run_dir), "--steps", "34", "--workers", "2", "--resume", timeout=180)
+    assert result.returncode == 0, result.stderr
+    assert "global batch 16 -> 32" in result.stderr and "--batch-size 8 keeps it" in result.stderr
+    config = json.loads((run_dir / "config.json").read_text())
+    assert (config["task"], config["steps"], config["batch_size"], config["workers"]) == ("digits-cnn", 34, 16, 2)
+
+
+@pytest.mark.parametrize(("flags", "code"), [
+    (["--batch-size", "100000"], 2),             # refused before anything starts
+    (["--task-opt", "channels=4"], 1),           # starts, then the checkpoint does not fit the model
+    (["--workers", "2", "--task-opt", "channels=4"], 1),
+])
+def test_a_refused_or_failed_start_leaves_the_run_directory_byte_identical(flags, code, cnn_run, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(cnn_run, run_dir)
+    before = _files(run_dir)
+    result = run_cli("train", "--run-dir", str(run_dir), "--steps", "30", "--resume", *flags, timeout=180)
+    assert result.returncode == code, result.stderr
+    after = {name: data for name, data in _files(run_dir).items() if not name.startswith("logs/")}
+    assert after == before, sorted(name for name in after if after[name] != before.get(name))
