@@ -75,7 +75,9 @@ class FaultInjector:
             return
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("a") as handle:
-            handle.write(json.dumps({**asdict(fault), "rank": self.rank, "time": time.time()}) + "\n")
+            record = {**asdict(fault), "rank": self.rank, "time": time.time(),
+                      "run_id": os.environ.get("TORCHELASTIC_RUN_ID", "")}
+            handle.write(json.dumps(record) + "\n")
             handle.flush()
             os.fsync(handle.fileno())
 

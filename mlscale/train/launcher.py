@@ -28,14 +28,12 @@ from mlscale.tasks import make_task
 from mlscale.train.checkpoint import Checkpointer
 from mlscale.train.dist import under_launcher
 from mlscale.train.faults import parse_fault
+from mlscale.train.recovery import KNOCK_ON
 from mlscale.train.strategies import strategy_class
 from mlscale.train.trainer import JOB_START_ENV
 from mlscale.train.worker import run_worker, save_traceback, traceback_path
 
 _TIMEOUT = re.compile(r"timed out|timeout", re.I)
-# Errors that a rank raises because *another* rank died: never the root cause.
-_KNOCK_ON = re.compile(r"Connection closed by peer|Connection reset|Broken pipe|DistNetworkError|"
-                       r"DistBackendError|ProcessGroupGloo|Gloo|NCCL|timed out|Timeout|SIGTERM", re.I)
 
 
 def fit(config: TrainConfig) -> dict[str, Any]:
@@ -218,7 +216,7 @@ def _root_cause(exc: Any, timeout_s: float) -> tuple[int, str]:
         return silent[0], (f"stopped responding: the other ranks timed out after {timeout_s:g} s "
                            "waiting for it (--collective-timeout)")
     for rank, failure in reported:
-        if not _KNOCK_ON.search(_failure_message(failure)):
+        if not KNOCK_ON.search(_failure_message(failure)):
             return rank, f"failed: {_failure_message(failure)}"
     rank, failure = failures[0]
     return rank, f"failed: {_failure_message(failure)}"

@@ -35,6 +35,13 @@ class Progress:
             print(f"step {step}/{self.total}  loss {loss:.4f}  {samples_per_s:,.0f} samples/s  ETA {eta:.0f}s",
                   file=self.stream, flush=True)
 
+    def note(self, text: str) -> None:
+        """A line of its own (a failure, a restart), above the bar on a terminal."""
+        if self._bar is not None:
+            self._bar.write(text, file=self.stream)
+        else:
+            print(text, file=self.stream, flush=True)
+
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()

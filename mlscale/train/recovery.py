@@ -1,4 +1,4 @@
-"""Measuring recovery: how long a failure cost and how many steps were redone.
+"""Measuring and telling recovery: who failed and how, how long it cost, how many steps were redone.
 
 Every rank writes a heartbeat after each step (one small ``pwrite`` into its own file per attempt:
 completed step and wall time). After a restart, rank 0 reads the previous attempt's heartbeats and the
@@ -10,12 +10,21 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import time
 from pathlib import Path
 from typing import Any
 
+from mlscale.rundir import RunDir
+
 _RECORD = struct.Struct("<qd")  # completed steps, unix time
+# Errors that a rank raises because *another* rank died or hung: never the root cause.
+KNOCK_ON = re.compile(r"Connection closed by peer|Connection reset|Broken pipe|DistNetworkError|"
+                      r"DistBackendError|ProcessGroupGloo|Gloo|NCCL|timed out|Timeout|SIGTERM", re.I)
+_FAULT_WORDS = {"kill": "was killed{at} (SIGKILL, injected by --fault)",
+                "hang": "stopped responding{at} (a hang injected by --fault; its peers timed out waiting)",
+                "kill_during_checkpoint": "was killed while writing the checkpoint{at} (injected by --fault)"}
 
 
 class Heartbeat:
@@ -39,10 +48,66 @@ def last_beats(directory: Path, attempt: int) -> list[tuple[int, float]]:
     return beats
 
 
-def fault_times(log_path: Path) -> list[float]:
-    if not log_path.exists():
+def _records(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
         return []
-    return [json.loads(line)["time"] for line in log_path.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def fault_times(log_path: Path) -> list[float]:
+    return [record["time"] for record in _records(log_path)]
+
+
+def launch_id() -> str:
+    """Which launch of the job this process belongs to (a resumed run is a new launch, whose attempts
+    count from 0 again): the elastic agent's run id."""
+    return os.environ.get("TORCHELASTIC_RUN_ID", "")
+
+
+def failures_path(logs: Path) -> Path:
+    return logs / "failures.jsonl"
+
+
+def record_failure(run_dir: RunDir, attempt: int, rank: int, exc: BaseException) -> None:
+    """Append a worker's own error (one line of it, and the steps it had completed, from its heartbeat)
+    for the restarted group to report."""
+    logs = run_dir.logs
+    logs.mkdir(parents=True, exist_ok=True)
+    beat = run_dir.path / "heartbeat" / f"attempt{attempt}-rank{rank}"
+    data = beat.read_bytes() if beat.exists() else b""
+    step = _RECORD.unpack(data[: _RECORD.size])[0] if len(data) >= _RECORD.size else None
+    first_line = (str(exc).strip().splitlines() or [""])[0][:300]
+    record = {"run_id": launch_id(), "attempt": attempt, "rank": rank, "step": step, "time": time.time(),
+              "error": f"{type(exc).__name__}: {first_line}" if first_line else type(exc).__name__}
+    with failures_path(logs).open("a") as handle:
+        handle.write(json.dumps(record) + "\n")
+
+
+def describe_failure(logs: Path, attempt: int, beats: list[tuple[int, float]]) -> str:
+    """In words: which rank of ``attempt`` failed first, how, and at which step.
+
+    In order: a fault injected in that attempt (faults fire on the first attempt only); the earliest
+    error a worker recorded that is not a knock-on of another rank's failure; else the rank that
+    stopped first without an error of its own (killed by a signal, or hung)."""
+    this_launch = launch_id()
+    if attempt == 0:  # injected faults fire on a launch's first attempt only
+        faults = [r for r in _records(logs / "faults.jsonl") if r.get("run_id") == this_launch]
+        for fault in sorted(faults, key=lambda r: r["time"]):
+            at = f" at step {fault['step']}" if fault.get("step") else ""
+            how = _FAULT_WORDS.get(fault["kind"], fault["kind"] + "{at}").format(at=at)
+            return f"worker rank {fault.get('rank', 0)} {how}"
+    errors = sorted((r for r in _records(failures_path(logs)) if r.get("run_id") == this_launch
+                     and r["attempt"] == attempt), key=lambda r: r["time"])
+    own = [r for r in errors if not KNOCK_ON.search(r["error"])]
+    if own:
+        at = f" at step {own[0]['step'] + 1}" if own[0].get("step") is not None else ""
+        return f"worker rank {own[0]['rank']} failed{at}: {own[0]['error']}"
+    reported = {r["rank"] for r in errors}
+    silent = [(step, t, rank) for rank, (step, t) in enumerate(beats) if rank not in reported]
+    if silent:
+        step, _, rank = min(silent)
+        return f"worker rank {rank} stopped at step {step + 1} without an error (killed by a signal, or hung)"
+    return "a worker failed"
 
 
 class RecoveryTracker:
@@ -54,6 +119,18 @@ class RecoveryTracker:
         previous = [t for _, t in beats] + fault_times(fault_log)
         self.failure_time = max(previous, default=None)
         self.attempt, self.resumed_from, self.path = attempt, resumed_from, run_path / "recovery.jsonl"
+        self.failure = describe_failure(fault_log.parent, attempt - 1, beats)
+
+    def restart_notice(self, max_restarts: int) -> str:
+        return (f"mlscale: {self.failure}; restarted the worker group (restart {self.attempt} of {max_restarts}), "
+                f"resuming from the checkpoint of step {self.resumed_from}")
+
+    @staticmethod
+    def resumed_notice(event: dict[str, Any]) -> str:
+        downtime = f" after {event['downtime_s']:.1f} s" if event["downtime_s"] is not None else ""
+        redone = event["steps_redone"]
+        return (f"mlscale: resumed from step {event['resumed_from_step']}{downtime}, "
+                f"{redone} step{'s' if redone != 1 else ''} redone")
 
     def first_step_done(self) -> dict[str, Any]:
         event = {

@@ -103,6 +103,7 @@ class Trainer:
             position = self._restore()
         self.heartbeat = Heartbeat(run_dir.path / "heartbeat", env.attempt, env.rank)
         self.recovery: RecoveryTracker | None = None
+        self.progress: Progress | None = None
         if env.attempt > 0 and env.is_main:
             self.recovery = RecoveryTracker(run_dir.path, run_dir.path / "heartbeat", run_dir.logs / "faults.jsonl",
                                             attempt=env.attempt, resumed_from=self.step)
@@ -196,8 +197,16 @@ class Trainer:
         self.samples_seen += self.global_batch
         self.heartbeat.beat(self.step)
         if self.recovery is not None:
-            self.recovery.first_step_done()
+            event = self.recovery.first_step_done()
+            self._say(self.recovery.resumed_notice(event))
             self.recovery = None
+
+    def _say(self, text: str) -> None:
+        """A console line from rank 0 (above the progress bar when there is one)."""
+        if self.progress is not None:
+            self.progress.note(text)
+        elif self.env.is_main:
+            print(text, file=sys.stderr, flush=True)
 
     def _log(self, window: _Window, progress: Progress | None) -> float:
         """Gather loss and timings from all ranks; rank 0 writes a metrics line. Returns the loss."""
@@ -225,7 +234,9 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         """Train to ``total_steps``, checkpoint, evaluate, and (rank 0) write the report."""
         config = self.config
-        progress = Progress(self.total_steps, self.step) if self.env.is_main else None
+        progress = self.progress = Progress(self.total_steps, self.step) if self.env.is_main else None
+        if self.recovery is not None:
+            self._say(self.recovery.restart_notice(config.max_restarts))
         # Throughput and timing medians leave out the first steps (warm-up), unless that is all.
         warm = min(config.warmup_steps_for_throughput, max(0, self.total_steps - self.step - 1))
         start_step = self.step

@@ -45,6 +45,10 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_bit_identical(rank, tmp_p
     [event] = report["recovery"]["events"]
     assert event["failed_at_step"] == 12 and event["resumed_from_step"] == 10 and event["steps_redone"] == 2
     assert 0 < event["downtime_s"] < 60
+    # the console says it too, as it happens: who, how, at which step; the restart; where it resumed
+    assert (f"mlscale: worker rank {rank} was killed at step 13 (SIGKILL, injected by --fault); restarted the "
+            "worker group (restart 1 of 1), resuming from the checkpoint of step 10") in result.stderr
+    assert f"mlscale: resumed from step 10 after {event['downtime_s']:.1f} s, 2 steps redone" in result.stderr
 
 
 def test_a_hung_worker_is_detected_by_the_collective_timeout_and_restarted(tmp_path, clean_run):
@@ -53,6 +57,19 @@ def test_a_hung_worker_is_detected_by_the_collective_timeout_and_restarted(tmp_p
     assert report["restarts"] == 1
     assert_same_run(final_weights(run_dir), clean_run)
     assert report["recovery"]["events"][0]["downtime_s"] >= 5  # the timeout is part of the downtime
+    assert "mlscale: worker rank 1 stopped responding at step 8" in result.stderr
+    assert "restarted the worker group (restart 1 of 1), resuming from the checkpoint of step 5" in result.stderr
+    assert "mlscale: resumed from step 5 after" in result.stderr and ", 2 steps redone" in result.stderr
+
+
+def test_a_worker_that_raises_is_named_with_its_error_and_step_on_the_console(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_cli("train", "--task", "tests.helpers:exploding_task", "--workers", "2", "--steps", "10",
+                     "--checkpoint-every", "2", "--max-restarts", "1", "--run-dir", str(run_dir))
+    assert result.returncode == 1  # it raises again after the restart: out of restarts
+    assert ("mlscale: worker rank 1 failed at step 3: RuntimeError: boom on rank 1 at step 3; restarted the worker "
+            "group (restart 1 of 1), resuming from the checkpoint of step 2") in result.stderr
+    assert "mlscale: resumed from step 2 after" in result.stderr
 
 
 def test_out_of_restarts_a_hang_fails_naming_the_rank_and_how_to_resume(tmp_path):
