@@ -87,11 +87,17 @@ def _train(args: argparse.Namespace) -> int:
         "max_restarts", "collective_timeout_s", "faults", "log_every")}
     if args.task_opt:
         overrides["task_options"] = dict(args.task_opt)
-    report = fit(build_config(args.config, **overrides))
-    if report and args.register:
+    config = build_config(args.config, **overrides)
+    registry = None
+    if args.register:  # checked before training, not after it: a bad name or registry is a usage error now
         from mlscale.registry import Registry, register_run
+        from mlscale.registry.uri import check_name
 
-        report["model_uri"] = register_run(Registry(args.registry), report["run_dir"], args.register).uri
+        check_name(args.register)
+        registry = Registry(args.registry)
+    report = fit(config)
+    if report and registry is not None:
+        report["model_uri"] = register_run(registry, report["run_dir"], args.register).uri
     if report:
         print_train_summary(report)
     return 0
@@ -140,8 +146,11 @@ def _bench(module: str, args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mlscale", description="Scale a PyTorch model from one worker to "
-                                     "many, then serve it.")
+    from mlscale import __version__
+
+    parser = LazyParser(prog="mlscale", description="Scale a PyTorch model from one worker to many, then serve it.",
+                        epilog="Exit codes: 0 success, 2 bad usage (one line naming the value), 1 anything else.")
+    parser.add_argument("--version", action="version", version=f"mlscale {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=LazyParser)
     _add_train(sub)
     add_models(sub)
@@ -153,7 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # named by the sub-command they were given to, as argparse would inside it
+        words = [getattr(args, key, None) for key in ("command", "action", "what")]
+        prog = " ".join(["mlscale", *(word for word in words if word)])
+        parser.exit(2, f"{prog}: error: unrecognized arguments: {' '.join(unknown)} (see {prog} --help)\n")
     try:
         return args.handler(args)
     except UsageError as exc:

@@ -8,10 +8,11 @@ from typing import Any
 from mlscale.display import as_json, pairs, table
 
 
-def _registry(args: argparse.Namespace) -> Any:
+def _registry(args: argparse.Namespace, create: bool = False) -> Any:
+    """The registry named by --registry; only registering may create one (a typo must not)."""
     from mlscale.registry import Registry
 
-    return Registry(args.registry)
+    return Registry(args.registry, create=create)
 
 
 def add_registry_option(p: argparse.ArgumentParser) -> None:
@@ -162,7 +163,7 @@ def _lineage(version: Any) -> str:
 def _register(args: argparse.Namespace) -> int:
     from mlscale.registry import register_run
 
-    version = register_run(_registry(args), args.run_dir, args.name, description=args.description,
+    version = register_run(_registry(args, create=True), args.run_dir, args.name, description=args.description,
                            tags=dict(args.tag))
     return _print_version(version, args.json)
 

@@ -1,4 +1,4 @@
-"""A sub-command parser whose arguments are added only when that sub-command is the one run.
+"""The command's parsers: one line for a mistake, no abbreviations, and sub-commands built lazily.
 
 ``mlscale --help`` and ``mlscale train`` build the whole command tree; building every sub-command's
 arguments would import every benchmark (numpy, matplotlib's helpers) and the server's options model
@@ -9,11 +9,24 @@ from __future__ import annotations
 
 import argparse
 import importlib
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
 
 
-class LazyParser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
+    """argparse as a user expects it of one tool: a mistake is one line naming it (the usage stays in
+    ``--help``), exit 2; and no silent abbreviations (``--worker 2`` is refused, not taken as
+    ``--workers``, so a typo cannot pick another option once one is added)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class LazyParser(Parser):
     """``arguments``: ``module:function`` (mlscale's own code) that adds this parser's arguments; the
     module docstring's second paragraph becomes the description unless one is given."""
 
@@ -39,3 +52,33 @@ class LazyParser(argparse.ArgumentParser):
     def format_help(self) -> str:
         self._load()
         return super().format_help()
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``minimum``, else a one-line error naming the value."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is less than {minimum}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
+def int_list(minimum: int = 1) -> Callable[[str], list[int]]:
+    """An argparse type: comma-separated integers, each >= ``minimum`` (``1,2,4``)."""
+    one = int_at_least(minimum)
+
+    def parse(text: str) -> list[int]:
+        values = [one(part.strip()) for part in text.split(",") if part.strip()]
+        if not values:
+            raise argparse.ArgumentTypeError("expected comma-separated integers, e.g. 1,2")
+        return values
+
+    parse.__name__ = "list of integers"
+    return parse

@@ -1,8 +1,13 @@
 """Bad input exits 2 with one line naming the value; a crashing worker exits 1 with its error once."""
 
+import socket
+from pathlib import Path
+
 import pytest
 
+from mlscale import TrainConfig, __version__, fit
 from mlscale.cli import main
+from mlscale.registry import Registry, register_run
 from tests.helpers import run_cli
 
 
@@ -24,6 +29,9 @@ from tests.helpers import run_cli
     (["--workers", "2", "--batch-size", "1000"], "batch-size=1000"),
     (["--fault", "kill:rank=5:step=2"], "rank 5 does not exist"),
     (["--device", "cuda"], "device='cuda'"),
+    (["--task", "synthetic", "--task-opt", "width=abc"], "task-opt width='abc': must be int"),
+    (["--task", "synthetic", "--task-opt", "widht=8"], "has no option 'widht'"),
+    (["--register", "a/b"], "name='a/b'"),
 ])
 def test_bad_values_exit_2_with_one_line_naming_them(args, named, capsys, tmp_path):
     code = main(["train", *args, "--steps", "1", "--run-dir", str(tmp_path / "run")])
@@ -31,6 +39,43 @@ def test_bad_values_exit_2_with_one_line_naming_them(args, named, capsys, tmp_pa
     assert code == 2
     assert named in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "run").exists(), "a rejected config must not leave a run behind"
+
+
+@pytest.mark.parametrize(("args", "named"), [
+    (["bench", "train", "--workers", "0"], "--workers: 0 is less than 1"),
+    (["bench", "train", "--steps", "3"], "--steps: 3 is less than 6"),
+    (["bench", "export", "--batch-sizes", "0"], "--batch-sizes: 0 is less than 1"),
+    (["bench", "checkpoint", "--every", "0"], "--every: 0 is less than 1"),
+    (["train", "--workers", "two"], "--workers: invalid int value: 'two'"),
+    (["train", "--worker", "2"], "unrecognized arguments: --worker 2"),  # no abbreviations
+    (["models", "list", "--jsn"], "mlscale models list: error: unrecognized arguments: --jsn"),
+    (["serve", "models:/m/1", "--port", "eighty"], "--port: invalid int value"),
+    (["models", "list", "--registry", "/nonexistent/registry"], "no registry at '/nonexistent/registry'"),
+])
+def test_every_mistake_is_one_line_exit_2_and_no_work(args, named, tmp_path):
+    result = run_cli(*args, *(["--out", str(tmp_path / "out")] if args[0] == "bench" else []))
+    assert result.returncode == 2, result.stderr
+    assert named in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "Traceback" not in result.stderr and "usage:" not in result.stderr
+    assert not (tmp_path / "out").exists() and not Path("/nonexistent").exists()
+
+
+def test_version():
+    result = run_cli("--version")
+    assert result.returncode == 0 and result.stdout.strip() == f"mlscale {__version__}"
+
+
+def test_a_port_in_use_is_one_line_exit_1_and_no_serving_line(tmp_path):
+    fit(TrainConfig(task="digits", steps=2, run_dir=str(tmp_path / "run")))
+    register_run(Registry(str(tmp_path / "registry")), tmp_path / "run", "digits")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_cli("serve", "models:/digits/1", "--port", str(port), "--registry", str(tmp_path / "registry"))
+    assert result.returncode == 1
+    assert result.stderr.strip() == (f"mlscale: cannot serve on 127.0.0.1:{port}: the port is already in use "
+                                     "(another server?); choose another with --port")
 
 
 def test_unknown_key_in_config_file(tmp_path, capsys):

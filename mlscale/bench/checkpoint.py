@@ -20,18 +20,19 @@ from typing import Any
 
 from mlscale.bench.machine import machine_info
 from mlscale.bench.report import pyplot, save_figure, write_results
+from mlscale.cli_parsers import int_at_least
 
 MODES = ("blocking", "async")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="bench/results/checkpoint", help="folder for checkpoint.json and .png")
-    p.add_argument("--repeats", type=int, default=3, help="alternating repeats of each mode (default 3)")
-    p.add_argument("--steps", type=int, default=40, help="training steps per run (default 40)")
-    p.add_argument("--every", type=int, default=8, help="checkpoint interval in steps (default 8)")
-    p.add_argument("--width", type=int, default=3072, help="MLP width; 3072 x 3 layers = 153 MB of state")
-    p.add_argument("--depth", type=int, default=3, help="hidden layers (default 3)")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--repeats", type=int_at_least(1), default=3, help="alternating repeats of each mode (default 3)")
+    p.add_argument("--steps", type=int_at_least(1), default=40, help="training steps per run (default 40)")
+    p.add_argument("--every", type=int_at_least(1), default=8, help="checkpoint interval in steps (default 8)")
+    p.add_argument("--width", type=int_at_least(1), default=3072, help="MLP width; 3072 x 3 layers = 153 MB of state")
+    p.add_argument("--depth", type=int_at_least(1), default=3, help="hidden layers (default 3)")
+    p.add_argument("--threads", type=int_at_least(1), default=1,
                    help="torch threads for training (default 1: the other core is free for the writer, as the CPU "
                    "is on a GPU node)")
 

@@ -18,15 +18,17 @@ from typing import Any
 
 from mlscale.bench.machine import machine_info
 from mlscale.bench.report import pyplot, save_figure, write_results
+from mlscale.cli_parsers import int_at_least, int_list
 
 MODELS = {"digits-mlp": "digits", "digits-cnn": "digits-cnn"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="bench/results/export", help="folder for export.json and export.png")
-    p.add_argument("--batch-sizes", default="1,8,32,128", help="comma-separated (default 1,8,32,128)")
-    p.add_argument("--rounds", type=int, default=5, help="alternating rounds per batch size (default 5)")
-    p.add_argument("--calls", type=int, default=200, help="calls per runtime per round (default 200)")
+    p.add_argument("--batch-sizes", type=int_list(1), default=[1, 8, 32, 128],
+                   help="comma-separated (default 1,8,32,128)")
+    p.add_argument("--rounds", type=int_at_least(1), default=5, help="alternating rounds per batch size (default 5)")
+    p.add_argument("--calls", type=int_at_least(1), default=200, help="calls per runtime per round (default 200)")
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -73,7 +75,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         try:
             for label, (model, session, inputs) in prepared.items():
                 rows = {}
-                for batch in (int(b) for b in args.batch_sizes.split(",")):
+                for batch in args.batch_sizes:
                     x = inputs[:batch].contiguous()
                     x_np = x.numpy()
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from mlscale.bench.anchors import LITSERVE_SYSTEMS, litserve_config
 from mlscale.bench.machine import machine_info
 from mlscale.bench.report import pyplot, save_figure, write_results
 
@@ -52,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="bench/results/serve", help="folder for serve.json and serve.png")
     p.add_argument("--slo-ms", type=float, default=50.0, help="p99 latency objective (default 50)")
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {', '.join(MODELS)}")
-    p.add_argument("--systems", default="mlscale,litserve,fastapi", help="servers to compare")
+    p.add_argument("--systems", default="mlscale,litserve,litserve-tuned,fastapi", help="servers to compare")
     p.add_argument("--duration-s", type=float, default=3.0, help="measured seconds per trial (default 3)")
     p.add_argument("--warmup-s", type=float, default=1.0, help="discarded seconds per trial (default 1)")
     p.add_argument("--bisect", type=int, default=4, help="bisection steps after the first failure (default 4)")
@@ -86,6 +87,8 @@ class Server:
     path: str
     bodies: list[str]
     idle_s: float = 0.0  # median latency of one request at a time on the idle server (set when ready)
+    processes: int = 0  # processes of the server's process group once ready, all pinned to SERVER_CPU
+    config: dict[str, Any] | None = None  # a LitServe system's settings (``anchors.litserve_config``)
 
     def stop(self) -> None:
         """Stop the server and every process it started (LitServe's workers outlive a plain SIGTERM
@@ -135,8 +138,7 @@ def v2_body(row: np.ndarray) -> str:
 
 def start_server(kind: str, model: dict[str, Any], args: argparse.Namespace, *, cache_mb: float = 0.0,
                  slo_ms: float | None = None) -> Server:
-    port = _free_port()
-    rows = model["rows"]
+    port, rows, config = _free_port(), model["rows"], None
     if kind == "mlscale":
         command = [sys.executable, "-m", "mlscale", "serve", model["uri"], "--registry", model["registry"],
                    "--port", str(port), "--max-batch-size", str(args.max_batch_size), "--max-delay-ms",
@@ -145,10 +147,11 @@ def start_server(kind: str, model: dict[str, Any], args: argparse.Namespace, *, 
             command += ["--slo-ms", str(slo_ms)]
         name = model["uri"].split("/")[1]
         path, bodies = f"/v2/models/{name}/infer", [v2_body(r) for r in rows]
-    elif kind in ("litserve", "fastapi"):
+    elif kind in (*LITSERVE_SYSTEMS, "fastapi"):
         command = [sys.executable, "-m", "mlscale.bench.anchors", kind, model["onnx"], str(port)]
-        if kind == "litserve":
-            command += [str(args.max_batch_size), str(args.max_delay_ms / 1e3)]
+        if kind in LITSERVE_SYSTEMS:
+            config = litserve_config(kind, args.max_batch_size, args.max_delay_ms / 1e3)
+            command.append(json.dumps(config))
         path, bodies = "/predict", [json.dumps({"input": [float(x) for x in r]}) for r in rows]
     else:
         command = [sys.executable, "-m", "mlscale.bench.anchors", "noop", "-", str(port)]
@@ -156,9 +159,27 @@ def start_server(kind: str, model: dict[str, Any], args: argparse.Namespace, *, 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
                                preexec_fn=_pin_server, start_new_session=True)
-    server = Server(kind, process, port, path, bodies)
+    server = Server(kind, process, port, path, bodies, config=config)
     _wait_ready(server)
+    server.processes = len(group_processes(process.pid))
     return server
+
+
+def group_processes(pgid: int) -> list[int]:
+    """Pids of the live processes in process group ``pgid``: a server and every process it started (LitServe
+    runs several), all sharing the one core they inherited from ``_pin_server``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, pgrp, ...
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            pids.append(int(entry.name))
+    return sorted(pids)
 
 
 def _post(conn: Any, server: Server, body: str) -> int:
@@ -307,6 +328,7 @@ def measure_goodputs(model: dict[str, Any], systems: list[str], args: argparse.N
     take turns within each repeat); medians are the results, every repeat is kept."""
     offline: list[float] = []
     runs: dict[str, list[dict[str, Any]]] = {system: [] for system in systems}
+    servers: dict[str, Server] = {}
     for repeat in range(args.repeats):
         offline.append(offline_ceiling(model["onnx"], model["rows"], args.max_batch_size))
         for system in systems:
@@ -317,7 +339,8 @@ def measure_goodputs(model: dict[str, Any], systems: list[str], args: argparse.N
                 goodput, trials = find_goodput(server, args, _log)
             finally:
                 server.stop()
-            runs[system].append({"goodput": goodput, "trials": trials})
+            runs[system].append({"goodput": goodput, "trials": trials, "server_processes": server.processes})
+            servers[system] = server
     row: dict[str, Any] = {"systems": {}, "offline_items_per_s": float(np.median(offline)),
                            "offline_per_repeat": offline}
     for system, repeats in runs.items():
@@ -325,8 +348,23 @@ def measure_goodputs(model: dict[str, Any], systems: list[str], args: argparse.N
         median = float(np.median(goodputs))
         closest = min(repeats, key=lambda r: abs(r["goodput"] - median))  # its trials draw the curve
         row["systems"][system] = {"goodput": median, "goodput_per_repeat": goodputs, "trials": closest["trials"],
-                                  "repeats": repeats}
+                                  "repeats": repeats, **describe_server(servers[system])}
     return row
+
+
+def describe_server(server: Server) -> dict[str, Any]:
+    """Where a system ran: how many processes shared the one server core and, for LitServe, its settings.
+
+    LitServe splits a server into processes (its launcher, a ``multiprocessing`` Manager that holds the
+    request and response queues, the uvicorn API server(s) and the inference worker(s)); pinned to one
+    core they take turns on it, so the count is part of what the goodput means."""
+    out: dict[str, Any] = {"server_processes": server.processes, "server_cpus": [SERVER_CPU]}
+    if server.config is not None:
+        out["litserve_config"] = server.config
+        out["note"] = (f"LitServe runs {server.processes} processes here, all pinned to CPU {SERVER_CPU}: its launcher,"
+                       f" a multiprocessing Manager holding the queues, {server.config['num_api_servers']} uvicorn API "
+                       f"server(s) and {server.config['workers_per_device']} inference worker(s)")
+    return out
 
 
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:

@@ -19,18 +19,22 @@ from typing import Any
 
 from mlscale.bench.machine import machine_info
 from mlscale.bench.report import pyplot, save_figure, write_results
+from mlscale.cli_parsers import int_at_least, int_list
 
 WARMUP = 5
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="bench/results/train", help="folder for train.json and train.png")
-    p.add_argument("--workers", default="1,2", help="world sizes to compare, comma-separated (default 1,2)")
-    p.add_argument("--repeats", type=int, default=5, help="alternating repeats of each pair (default 5)")
-    p.add_argument("--steps", type=int, default=300, help="steps per run, the first 5 are warm-up (default 300)")
-    p.add_argument("--batch-size", type=int, default=128, help="per worker (default 128)")
-    p.add_argument("--width", type=int, default=1024, help="hidden width of the synthetic MLP (default 1024)")
-    p.add_argument("--depth", type=int, default=2, help="hidden layers of the synthetic MLP (default 2)")
+    p.add_argument("--workers", type=int_list(1), default=[1, 2],
+                   help="world sizes to compare, comma-separated (default 1,2)")
+    p.add_argument("--repeats", type=int_at_least(1), default=5, help="alternating repeats of each pair (default 5)")
+    p.add_argument("--steps", type=int_at_least(WARMUP + 1), default=300,
+                   help=f"steps per run, the first {WARMUP} are warm-up (default 300)")
+    p.add_argument("--batch-size", type=int_at_least(1), default=128, help="per worker (default 128)")
+    p.add_argument("--width", type=int_at_least(1), default=1024,
+                   help="hidden width of the synthetic MLP (default 1024)")
+    p.add_argument("--depth", type=int_at_least(1), default=2, help="hidden layers of the synthetic MLP (default 2)")
 
 
 def _task(args: argparse.Namespace) -> dict[str, Any]:
@@ -82,7 +86,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     }
     with tempfile.TemporaryDirectory(prefix="mlscale-bench-") as tmp:
         scratch = Path(tmp)
-        for workers in [int(w) for w in args.workers.split(",")]:
+        for workers in args.workers:
             ours, plain = [], []
             for repeat in range(args.repeats):
                 pair = [("ours", run_ours), ("plain", run_plain)]

@@ -117,25 +117,43 @@ def _same_or_refuse(uri: str, artifact: str, stored_sha256: str, path: Path, rec
                      "a version's files are write-once: register a new version instead")
 
 
-def resolve_location(location: str | None) -> tuple[str, Path]:
-    """(database URL, artifact root) from ``--registry``, ``$MLSCALE_REGISTRY`` or the default folder."""
+def resolve_location(location: str | None, create: bool = True) -> tuple[str, Path]:
+    """(database URL, artifact root) from ``--registry``, ``$MLSCALE_REGISTRY`` or the default folder.
+
+    ``create=False`` (the read-only commands): a folder or SQLite file that does not exist is a
+    ``NotFound``, never a new empty registry left behind by a typo."""
     location = location or os.environ.get(REGISTRY_ENV) or DEFAULT_LOCATION
     if "://" not in location:  # a folder: SQLite file and artifacts inside it
         folder = Path(location)
+        _must_exist(folder / "registry.db", location, create)
         folder.mkdir(parents=True, exist_ok=True)
         return f"sqlite:///{folder / 'registry.db'}", folder / "artifacts"
     if location.startswith("sqlite:///"):
         db_path = Path(location.removeprefix("sqlite:///"))
+        _must_exist(db_path, location, create)
         db_path.parent.mkdir(parents=True, exist_ok=True)
         return location, db_path.parent / "artifacts"
     artifacts = os.environ.get("MLSCALE_ARTIFACTS", f"{DEFAULT_LOCATION}/artifacts")
     return location, Path(artifacts)
 
 
+def _first_line(error: object) -> str:
+    """Database drivers explain on several lines; a CLI error is one."""
+    return (str(error).strip().splitlines() or [""])[0]
+
+
+def _must_exist(db_path: Path, location: str, create: bool) -> None:
+    if not create and not db_path.exists():
+        raise NotFound(f"no registry at {location!r} (nothing was registered there; check --registry or "
+                       f"${REGISTRY_ENV}; `mlscale models register` creates one)")
+
+
 class Registry:
-    def __init__(self, location: str | None = None, artifacts: ArtifactStore | None = None) -> None:
+    def __init__(self, location: str | None = None, artifacts: ArtifactStore | None = None, *,
+                 create: bool = True) -> None:
+        """``create=False``: open an existing registry only (what read-only commands use)."""
         try:
-            url, artifact_root = resolve_location(location)
+            url, artifact_root = resolve_location(location, create)
         except OSError as exc:
             raise RegistryError(f"cannot open the registry at {location}: {exc.strerror}: {exc.filename}") from None
         self.url = url
@@ -144,7 +162,8 @@ class Registry:
             self.engine = _sqlite_engine(url) if url.startswith("sqlite") else create_engine(url)
             self._migrate()
         except OperationalError as exc:
-            raise RegistryError(f"cannot reach the registry database {self._safe_url()}: {exc.orig}") from None
+            raise RegistryError(f"cannot reach the registry database {self._safe_url()}: "
+                                f"{_first_line(exc.orig)}") from None
         except (SQLAlchemyError, ImportError, ValueError) as exc:
             raise RegistryError(f"cannot open the registry at {self._safe_url()}: {exc}") from None
 
@@ -167,7 +186,7 @@ class Registry:
             with self.engine.begin() as conn:
                 yield conn
         except OperationalError as exc:
-            raise RegistryError(f"registry database error at {self._safe_url()}: {exc.orig}") from None
+            raise RegistryError(f"registry database error at {self._safe_url()}: {_first_line(exc.orig)}") from None
 
     # -- registering ---------------------------------------------------------------------------
     def create_version(self, name: str, files: dict[str, Path], *, config: dict[str, Any],

@@ -8,14 +8,17 @@ still served for ``drain_delay_s`` (the time a Kubernetes Service or a load bala
 
 from __future__ import annotations
 
+import errno
 import logging
 import signal
+import socket
 import sys
 import time
 from types import FrameType
 
 import uvicorn
 
+from mlscale.errors import MlscaleError
 from mlscale.registry import Registry
 from mlscale.serve.app import ServerState, build_app
 from mlscale.serve.cache import ResponseCache
@@ -67,10 +70,23 @@ def build_state(uris: list[str], options: ServeOptions, registry: Registry) -> S
     return ServerState(slots, metrics, cache, options.max_body_bytes, exec_timeout_s=options.exec_timeout_s)
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before anything else, so a port that is taken is one clear line."""
+    try:
+        return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                    backlog=2048)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise MlscaleError(f"cannot serve on {host}:{port}: the port is already in use (another server?); "
+                               "choose another with --port") from None
+        raise MlscaleError(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None
+
+
 def serve(uris: list[str], *, options: ServeOptions | None = None, registry_location: str | None = None,
           log_level: str = "warning") -> None:
     options = options or ServeOptions()
-    state = build_state(uris, options, Registry(registry_location))
+    sock = listen(options.host, options.port)
+    state = build_state(uris, options, Registry(registry_location, create=False))
     logging.basicConfig(level=logging.WARNING, format="mlscale serve: %(message)s")
     # No proxy-header rewriting (nothing here reads the client address) and no Server/Date headers:
     # per-request work the hot path does not need.
@@ -79,4 +95,4 @@ def serve(uris: list[str], *, options: ServeOptions | None = None, registry_loca
                             server_header=False, date_header=False)
     print(f"mlscale serve: {', '.join(uris)} on http://{options.host}:{options.port} (Open Inference Protocol "
           "v2, /predict, /metrics)", file=sys.stderr, flush=True)
-    _DrainingServer(config, state, options.drain_delay_s).run()
+    _DrainingServer(config, state, options.drain_delay_s).run(sockets=[sock])

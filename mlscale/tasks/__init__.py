@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -32,9 +33,35 @@ def resolve_factory(name: str) -> Callable[..., Task]:
     return factory
 
 
+def check_options(name: str, factory: Callable[..., Task], options: dict[str, Any]) -> None:
+    """Refuse an option the factory does not take, or a value whose type does not fit the default's
+    (``--task-opt width=abc``), with one line naming it, before the factory runs."""
+    try:
+        parameters = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to check against
+        return
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    for key, value in options.items():
+        parameter = parameters.get(key)
+        if parameter is None:
+            if takes_any:
+                continue
+            known = ", ".join(p for p in parameters if parameters[p].kind is not inspect.Parameter.VAR_POSITIONAL)
+            raise UsageError(f"bad value task-opt {key}={value!r}: task {name!r} has no option {key!r} "
+                             f"(options: {known or 'none'})")
+        default = parameter.default
+        if default is inspect.Parameter.empty or default is None or isinstance(value, type(default)):
+            continue
+        if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+            continue
+        raise UsageError(f"bad value task-opt {key}={value!r}: must be {type(default).__name__} like the default "
+                         f"{default!r}")
+
+
 def make_task(name: str, options: dict[str, Any] | None = None) -> Task:
     """Build a task by name; bad options become a ``UsageError`` naming the task."""
     factory = resolve_factory(name)
+    check_options(name, factory, options or {})
     try:
         task = factory(**(options or {}))
     except (TypeError, ValueError) as exc:
