@@ -122,7 +122,7 @@ def _show(args: argparse.Namespace) -> int:
     print(f"{args.target}\n")
     print(table(["version", "stage", "aliases", "eval", "created", "by", "source run"], [
         (v.version, v.stage, ", ".join(v.aliases), _metric_text(v.metrics), v.created_at[:19], v.created_by,
-         v.source_run) for v in versions]))
+         _source_run_text(v)) for v in versions]))
     print("\nhistory\n")
     print(table(["at", "who", "version", "action", "from", "to"], [
         (h["at"][:23], h["who"], h["version"], h["action"], h["from_value"], h["to_value"]) for h in history]))
@@ -145,7 +145,7 @@ def _lineage(version: Any) -> str:
     rows = [
         ("uri", version.uri), ("stage", version.stage), ("aliases", ", ".join(version.aliases) or "-"),
         ("description", version.description or "-"), ("created", f"{version.created_at} by {version.created_by}"),
-        ("source run", version.source_run or "-"),
+        ("source run", _source_run_text(version)),
         ("task", f"{config['task']} {config.get('task_options') or ''}".strip()),
         ("training", f"{config['strategy']}, {config['workers']} worker(s), batch {config['batch_size']}/worker, "
                      f"lr {config['lr']}, seed {config['seed']}, {config['dtype']}, {config['precision']}"),
@@ -158,6 +158,12 @@ def _lineage(version: Any) -> str:
         ("tags", ", ".join(f"{k}={v}" for k, v in version.tags.items()) or "-"),
     ]
     return pairs(rows)
+
+
+def _source_run_text(version: Any) -> str:
+    """The source run, and whether that directory still holds it: a later run written to the same
+    directory would otherwise pass for this version's lineage."""
+    return f"{version.source_run} ({version.source_run_state()})" if version.source_run else "-"
 
 
 def _register(args: argparse.Namespace) -> int:

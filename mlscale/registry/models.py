@@ -16,11 +16,11 @@ from torch import nn
 from mlscale.config import TrainConfig
 from mlscale.dtypes import v2_datatype
 from mlscale.errors import UsageError
-from mlscale.registry.store import ModelVersion, Registry
+from mlscale.registry.store import WEIGHTS_ARTIFACT, ModelVersion, Registry
 from mlscale.rundir import RunDir
 from mlscale.tasks import Task, make_task
 
-WEIGHTS = "model.safetensors"
+WEIGHTS = WEIGHTS_ARTIFACT
 
 
 def task_of(config: dict[str, Any]) -> Task:

@@ -31,8 +31,10 @@ from mlscale.errors import MlscaleError, UsageError
 from mlscale.registry import schema
 from mlscale.registry.artifacts import ArtifactExists, ArtifactStore, LocalArtifactStore, StoredArtifact, sha256_file
 from mlscale.registry.uri import ModelURI, canonical_stage, check_alias, check_name, parse_uri
+from mlscale.rundir import RunDir
 
 DEFAULT_LOCATION = "mlscale-registry"
+WEIGHTS_ARTIFACT = "model.safetensors"
 REGISTRY_ENV = "MLSCALE_REGISTRY"
 
 
@@ -86,9 +88,24 @@ class ModelVersion:
     def uri(self) -> str:
         return f"models:/{self.name}/{self.version}"
 
+    def source_run_state(self) -> str:
+        """Whether the source run directory still holds the run this version was registered from: its
+        final weights must be the registered ones (a later run written to the same directory changes
+        them), so lineage cannot silently point at another run."""
+        if not self.source_run:
+            return "unknown"
+        weights = RunDir(self.source_run).final_model_path
+        if not weights.exists():
+            return "gone"
+        registered = self.artifacts.get(WEIGHTS_ARTIFACT)
+        if registered is None or sha256_file(weights) != registered.sha256:
+            return "changed: the directory now holds another run"
+        return "verified"
+
     def as_dict(self) -> dict[str, Any]:
         data = {k: v for k, v in self.__dict__.items() if k != "artifacts"}
         data["uri"] = self.uri
+        data["source_run_state"] = self.source_run_state()
         data["artifacts"] = {name: a.__dict__ for name, a in self.artifacts.items()}
         return data
 

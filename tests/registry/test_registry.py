@@ -1,10 +1,12 @@
 """The registry on a real SQLite file: versions, stages, aliases, lineage, audit log, verified artifacts."""
 
 import json
+import shutil
 
 import pytest
 import torch
 
+from mlscale import TrainConfig, fit
 from mlscale.errors import UsageError
 from mlscale.registry import ArtifactIntegrityError, NotFound, Registry, load_torch_model, register_run, schema
 from tests.helpers import run_cli
@@ -140,3 +142,18 @@ def test_an_unreachable_database_is_one_line_and_exit_1():
     result = run_cli("models", "list", "--registry", "postgresql+psycopg://nobody@127.0.0.1:1/none")
     assert result.returncode == 1 and "cannot reach the registry database" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_lineage_says_when_the_source_run_directory_now_holds_another_run(tmp_path):
+    location = str(tmp_path / "registry")
+    run_dir = tmp_path / "runs" / "demo"
+    fit(TrainConfig(task="digits", steps=5, run_dir=str(run_dir)))
+    version = register_run(Registry(location), run_dir, "digits")
+    shown = run_cli("models", "show", version.uri, "--registry", location)
+    assert f"{run_dir.resolve()} (verified)" in shown.stdout
+    shutil.rmtree(run_dir)  # a later demo reuses the folder for another run
+    fit(TrainConfig(task="digits", steps=5, seed=1, run_dir=str(run_dir)))
+    shown = run_cli("models", "show", "digits", "--registry", location)
+    assert "changed: the directory now holds another run" in shown.stdout
+    shutil.rmtree(run_dir)
+    assert Registry(location).resolve(version.uri).source_run_state() == "gone"
