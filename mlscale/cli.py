@@ -12,6 +12,7 @@ from typing import Any
 from mlscale.cli_models import add_export, add_models, add_registry_option
 from mlscale.cli_parsers import LazyParser
 from mlscale.cli_serve import add_serve
+from mlscale.display import as_json
 from mlscale.errors import MlscaleError, UsageError
 
 EXAMPLES = """examples:
@@ -73,6 +74,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    "slow:rank=R:delay_ms=D, kill_during_checkpoint:step=K")
     p.add_argument("--log-every", type=int, metavar="K", help="metrics line every K steps (default 10)")
     p.add_argument("--register", metavar="NAME", help="register the final model under NAME when training ends")
+    p.add_argument("--json", action="store_true", help="print report.json instead of the summary table")
+    p.add_argument("--no-plot", action="store_false", dest="plot",
+                   help="do not draw RUN_DIR/plots/training.png at the end (drawn when matplotlib is installed)")
     add_registry_option(p)
     p.set_defaults(handler=_train)
 
@@ -96,11 +100,28 @@ def _train(args: argparse.Namespace) -> int:
         check_name(args.register)
         registry = Registry(args.registry)
     report = fit(config)
-    if report and registry is not None:
+    if not report:  # not rank 0 under torchrun: rank 0 reports
+        return 0
+    if registry is not None:
         report["model_uri"] = register_run(registry, report["run_dir"], args.register).uri
-    if report:
+    if args.plot:
+        report["plot"] = _plot(report["run_dir"])
+    if args.json:
+        print(as_json(report))
+    else:
         print_train_summary(report)
     return 0
+
+
+def _plot(run_dir: str) -> str | None:
+    """``RUN_DIR/plots/training.png``, when matplotlib (the ``bench`` extra) is installed."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return None
+    from mlscale.train.plot import plot_run
+
+    return str(plot_run(run_dir))
 
 
 def print_train_summary(report: dict[str, Any]) -> None:
@@ -116,6 +137,8 @@ def print_train_summary(report: dict[str, Any]) -> None:
     ]
     if report.get("model_uri"):
         rows.append(("registered", report["model_uri"]))
+    if report.get("plot"):
+        rows.append(("plot", report["plot"]))
     width = max(len(name) for name, _ in rows)
     for name, value in rows:
         print(f"{name:<{width}}  {value}")

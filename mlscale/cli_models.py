@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
+from mlscale.cli_parsers import int_at_least
 from mlscale.display import as_json, pairs, table
 
 
@@ -68,6 +70,14 @@ def add_models(sub: argparse._SubParsersAction) -> None:
     tag.add_argument("version", type=int)
     tag.add_argument("tag", type=_key_value, metavar="KEY=VALUE")
     tag.set_defaults(handler=_tag)
+    sample = msub.add_parser("sample", help="print a ready-to-send inference request made of held-out inputs",
+                             description="Prints a request body for `mlscale serve`: rows of the version's held-out "
+                             "inputs as an Open Inference Protocol v2 infer request (default) or a /predict body.")
+    sample.add_argument("uri", help="model URI")
+    sample.add_argument("--rows", type=int_at_least(1), default=1, help="rows in the request (default 1)")
+    sample.add_argument("--predict", action="store_true", help="a /predict body instead of a v2 infer request")
+    add_registry_option(sample)
+    sample.set_defaults(handler=_sample)
     mirror = _common(msub.add_parser("mirror", help="copy a version into MLflow (needs mlscale[mlflow])"))
     mirror.add_argument("uri", help="model URI")
     mirror.add_argument("--mlflow-uri", required=True, help="MLflow tracking/registry URI, e.g. sqlite:///mlflow.db")
@@ -193,6 +203,14 @@ def _tag(args: argparse.Namespace) -> int:
     key, value = args.tag
     _registry(args).set_tag(args.name, args.version or None, key, value)
     print(as_json({key: value}) if args.json else f"{args.name} v{args.version}: {key}={value}")
+    return 0
+
+
+def _sample(args: argparse.Namespace) -> int:
+    from mlscale.registry.models import sample_request
+
+    body = sample_request(_registry(args).resolve(args.uri), args.rows, predict=args.predict)
+    print(json.dumps(body, separators=(",", ":")))  # one line: ready for curl -d @FILE
     return 0
 
 

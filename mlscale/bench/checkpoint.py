@@ -102,8 +102,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
         medians = [statistics.median(v) for v in values]
         errors = [[m - min(v) for m, v in zip(medians, values)], [max(v) - m for m, v in zip(medians, values)]]
         ax.bar(MODES, medians, yerr=errors, capsize=5, color=["tab:gray", "tab:blue"])
-        for i, m in enumerate(medians):
-            ax.annotate(f"{m:,.0f}", (i, m), xytext=(0, 4), textcoords="offset points", ha="center")
+        for i, m in enumerate(medians):  # inside the bar, where no error bar can cover it
+            ax.text(i, m / 2, f"{m:,.0f}", ha="center", va="center", color="white", fontweight="bold")
         ax.set_title(label)
     fig.suptitle(f"Checkpointing {results['state_mb']:.0f} MB of state: blocking vs async "
                  f"(stall {results['stall_ratio_blocking_over_async']:.1f}x lower)")

@@ -42,6 +42,17 @@ def signature_of(config: dict[str, Any], task: Task | None = None) -> dict[str, 
     }
 
 
+def sample_request(version: ModelVersion, rows: int = 1, *, predict: bool = False) -> dict[str, Any]:
+    """A request body the server accepts for this version: ``rows`` held-out inputs of its task, as an
+    Open Inference Protocol v2 infer request or a ``/predict`` body."""
+    spec = version.signature["inputs"][0]
+    inputs = task_of(version.config).eval.inputs[:rows].to(getattr(torch, version.config.get("dtype", "float32")))
+    if predict:
+        return {"inputs": inputs.tolist()}
+    return {"inputs": [{"name": spec["name"], "shape": list(inputs.shape), "datatype": spec["datatype"],
+                        "data": inputs.flatten().tolist()}]}
+
+
 def build_model(config: dict[str, Any], task: Task | None = None) -> nn.Module:
     task = task or task_of(config)
     model = task.build_model().to(getattr(torch, config.get("dtype", "float32")))

@@ -14,6 +14,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     from mlscale.plotting import pyplot, save_figure
 
     plt = pyplot()
+    from matplotlib.ticker import FuncFormatter
     run = RunDir(run_dir)
     metrics, report = run.read_metrics(), run.read_report()
     out = Path(out) if out else run.path / "plots" / "training.png"
@@ -22,6 +23,10 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     fig, (loss_ax, speed_ax, split_ax) = plt.subplots(1, 3, figsize=(14, 4))
     loss_ax.plot(steps, [m["loss"] for m in metrics], marker=".")
     loss_ax.set(title="training loss (mean over ranks)", xlabel="step", yscale="log")
+    # 2, not 2x10^0; between decades only 2, 3 and 5 are labelled, so labels never crowd
+    loss_ax.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    loss_ax.yaxis.set_minor_formatter(FuncFormatter(lambda value, _: f"{value:g}" if f"{value:.0e}"[0] in "235"
+                                                    else ""))
     speed_ax.plot(steps, [m["samples_per_s"] for m in metrics], marker=".")
     speed_ax.set(title="throughput", xlabel="step", ylabel="samples/s")
     ranks = report["per_rank"]
@@ -31,8 +36,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         values = [r.get(key, 0.0) for r in ranks]
         split_ax.bar([str(r["rank"]) for r in ranks], values, bottom=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, values)]
-    split_ax.set(title="median step time per rank", xlabel="rank", ylabel="ms")
-    split_ax.legend()
+    split_ax.set(title="median step time per rank", xlabel="rank", ylabel="ms", ylim=(0, max(bottom, default=1) * 1.3))
+    split_ax.legend(loc="upper center", ncol=3, fontsize="small", frameon=False)  # above the bars, never on them
     fig.suptitle(f"{report['task']} · {report['strategy']} · {report['world_size']} worker(s)")
     save_figure(fig, out)
     return out
