@@ -18,5 +18,5 @@ def test_train_draws_training_png_into_the_run_directory_and_prints_the_report_a
 
 def test_no_plot_skips_it(tmp_path):
     result = run_cli("train", "--task", "digits", "--steps", "5", "--run-dir", str(tmp_path / "run"), "--no-plot")
-    assert result.returncode == 0 and "plot" not in result.stdout
+    assert result.returncode == 0 and "training.png" not in result.stdout
     assert not (tmp_path / "run" / "plots").exists()
