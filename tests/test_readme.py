@@ -1,0 +1,51 @@
+"""The README's examples run as written: every block marked ``<!-- test: run -->`` (shell),
+``<!-- test: python -->`` or ``<!-- test: file NAME -->`` (written to NAME) is run in order, in one
+shell, in a fresh folder, with the installed ``mlscale`` on the PATH."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.helpers import REPO
+
+MARKED = re.compile(r"<!-- test: (run|python|file (\S+)) -->\n```[^\n]*\n(.*?)```", re.S)
+
+
+def readme_script(text: str) -> str:
+    """One bash script of the marked blocks, in the README's order."""
+    parts = ["set -euo pipefail", "trap 'kill $(jobs -p) 2>/dev/null || true' EXIT"]
+    for kind, filename, body in MARKED.findall(text):
+        if kind == "run":
+            parts.append(body)
+        elif kind == "python":
+            parts.append(f"python3 - <<'README_PYTHON'\n{body}README_PYTHON")
+        else:
+            parts.append(f"cat > {filename} <<'README_FILE'\n{body}README_FILE")
+    return "\n".join(parts) + "\n"
+
+
+def test_the_marked_blocks_are_found():
+    kinds = [kind.split()[0] for kind, _, _ in MARKED.findall((REPO / "README.md").read_text())]
+    assert kinds.count("run") >= 5 and "python" in kinds and "file" in kinds
+
+
+def test_every_marked_readme_block_runs_as_written(tmp_path):
+    shutil.copytree(REPO / "examples", tmp_path / "examples")  # the README runs from a checkout's root
+    script = readme_script((REPO / "README.md").read_text())
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("MLSCALE_REGISTRY", None)
+    env.pop("PYTHONPATH", None)
+    result = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=600)
+    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    out = result.stdout
+    assert "registered  models:/digits/1" in out and "champion" in out
+    assert out.count('"model_name":"digits"') >= 2  # the v2 infer and the /predict answers
+    assert re.search(r"digit \d\n", out)  # the class taken from the scores
+    assert "mlscale: worker rank 1 was killed at step 120" in result.stderr
+    assert (tmp_path / "runs/cnn/report.json").exists() and (tmp_path / "runs/py/report.json").exists()
