@@ -82,3 +82,14 @@ def int_list(minimum: int = 1) -> Callable[[str], list[int]]:
 
     parse.__name__ = "list of integers"
     return parse
+
+
+def add_out_option(p: argparse.ArgumentParser, name: str) -> None:
+    """``--out`` of a benchmark: by default a new folder under ``runs/``, so a run never overwrites the
+    committed results in ``bench/results/`` unless asked to (``--out bench/results/NAME``)."""
+    import time
+
+    default = f"runs/bench-{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    p.add_argument("--out", default=default, metavar="DIR",
+                   help=f"folder for {name}.json and {name}.png (default: a new runs/bench-{name}-TIME; the "
+                   f"committed results are in bench/results/{name})")

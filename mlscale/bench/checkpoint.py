@@ -20,13 +20,13 @@ from typing import Any
 
 from mlscale.bench.machine import machine_info
 from mlscale.bench.report import pyplot, save_figure, write_results
-from mlscale.cli_parsers import int_at_least
+from mlscale.cli_parsers import add_out_option, int_at_least
 
 MODES = ("blocking", "async")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default="bench/results/checkpoint", help="folder for checkpoint.json and .png")
+    add_out_option(p, "checkpoint")
     p.add_argument("--repeats", type=int_at_least(1), default=3, help="alternating repeats of each mode (default 3)")
     p.add_argument("--steps", type=int_at_least(1), default=40, help="training steps per run (default 40)")
     p.add_argument("--every", type=int_at_least(1), default=8, help="checkpoint interval in steps (default 8)")

@@ -18,13 +18,13 @@ from typing import Any
 
 from mlscale.bench.machine import machine_info
 from mlscale.bench.report import pyplot, save_figure, write_results
-from mlscale.cli_parsers import int_at_least, int_list
+from mlscale.cli_parsers import add_out_option, int_at_least, int_list
 
 MODELS = {"digits-mlp": "digits", "digits-cnn": "digits-cnn"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default="bench/results/export", help="folder for export.json and export.png")
+    add_out_option(p, "export")
     p.add_argument("--batch-sizes", type=int_list(1), default=[1, 8, 32, 128],
                    help="comma-separated (default 1,8,32,128)")
     p.add_argument("--rounds", type=int_at_least(1), default=5, help="alternating rounds per batch size (default 5)")

@@ -19,13 +19,13 @@ from typing import Any
 
 from mlscale.bench.machine import machine_info
 from mlscale.bench.report import pyplot, save_figure, write_results
-from mlscale.cli_parsers import int_at_least, int_list
+from mlscale.cli_parsers import add_out_option, int_at_least, int_list
 
 WARMUP = 5
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default="bench/results/train", help="folder for train.json and train.png")
+    add_out_option(p, "train")
     p.add_argument("--workers", type=int_list(1), default=[1, 2],
                    help="world sizes to compare, comma-separated (default 1,2)")
     p.add_argument("--repeats", type=int_at_least(1), default=5, help="alternating repeats of each pair (default 5)")
