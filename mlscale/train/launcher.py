@@ -41,7 +41,9 @@ def fit(config: TrainConfig) -> dict[str, Any]:
 
     With ``resume``, the run's saved configuration is the base and only the fields given explicitly
     (``--steps``, ``--workers``...) override it."""
-    if config.resume and config.run_dir is not None and not under_launcher():
+    if config.resume and config.run_dir is not None:
+        # Under torchrun every rank does this; rank 0 rewrites config.json atomically with the same
+        # merge, so a rank reading it before or after the rewrite gets the same configuration.
         config = resumed_config(config)
     strategy_class(config.strategy)
     task = make_task(config.task, config.task_options)  # fail fast, with exit 2, on a bad task
