@@ -16,6 +16,8 @@ from typing import Protocol
 from mlscale.errors import MlscaleError
 from mlscale.io import atomic_write
 
+OWNER_MARK = ".owner"  # in each version's folder: the identity of the registry whose folder it is
+
 
 class ArtifactIntegrityError(MlscaleError):
     """An artifact's bytes are not the ones registered."""
@@ -50,6 +52,11 @@ class ArtifactStore(Protocol):
     def move_prefix(self, source: str, target: str) -> None: ...
 
     def delete_prefix(self, prefix: str) -> None: ...
+
+
+def _owner(folder: Path) -> str | None:
+    mark = folder / OWNER_MARK
+    return mark.read_text().strip() if mark.is_file() else None
 
 
 class LocalArtifactStore:
@@ -89,9 +96,16 @@ class LocalArtifactStore:
         return sha256_file(self._path(key))
 
     def move_prefix(self, source: str, target: str) -> None:
-        """Rename a folder of artifacts; a stale ``target`` (no registry row points to it) is replaced."""
+        """Rename a folder of artifacts. An existing ``target`` is replaced only when it carries the same
+        owner mark as ``source`` (a leftover of the same registry); anything else is refused, never
+        overwritten: two registries sharing one artifact folder must not replace each other's files."""
         src, dst = self._path(source), self._path(target)
         if dst.exists():
+            owner = _owner(dst)
+            if owner is None or owner != _owner(src):
+                raise ArtifactExists(f"artifacts {target} already exist in {self.root} and belong to another "
+                                     "registry (or to none): give each registry its own artifact folder "
+                                     "($MLSCALE_ARTIFACTS), or remove the leftover folder")
             shutil.rmtree(dst)
         src.rename(dst)
 

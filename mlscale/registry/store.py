@@ -14,6 +14,7 @@ from __future__ import annotations
 import getpass
 import json
 import os
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -23,13 +24,20 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, create_engine, event, func, insert, select, update
+from sqlalchemy import Connection, create_engine, event, func, insert, make_url, select, update
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import IntegrityError, OperationalError, SQLAlchemyError
+from sqlalchemy.exc import ArgumentError, IntegrityError, OperationalError, SQLAlchemyError
 
 from mlscale.errors import MlscaleError, UsageError
 from mlscale.registry import schema
-from mlscale.registry.artifacts import ArtifactExists, ArtifactStore, LocalArtifactStore, StoredArtifact, sha256_file
+from mlscale.registry.artifacts import (
+    OWNER_MARK,
+    ArtifactExists,
+    ArtifactStore,
+    LocalArtifactStore,
+    StoredArtifact,
+    sha256_file,
+)
 from mlscale.registry.uri import ModelURI, canonical_stage, check_alias, check_name, parse_uri
 from mlscale.rundir import RunDir
 
@@ -154,6 +162,16 @@ def resolve_location(location: str | None, create: bool = True) -> tuple[str, Pa
     return location, Path(artifacts)
 
 
+def _identity(url: str) -> str:
+    """The database this registry keeps its rows in, without a password: what owns its artifact folders."""
+    if url.startswith("sqlite:///"):
+        return f"sqlite:///{Path(url.removeprefix('sqlite:///')).resolve()}"
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return url.split("@")[-1]
+
+
 def _first_line(error: object) -> str:
     """Database drivers explain on several lines; a CLI error is one."""
     return (str(error).strip().splitlines() or [""])[0]
@@ -174,6 +192,7 @@ class Registry:
         except OSError as exc:
             raise RegistryError(f"cannot open the registry at {location}: {exc.strerror}: {exc.filename}") from None
         self.url = url
+        self.identity = _identity(url)
         self.artifacts: ArtifactStore = artifacts or LocalArtifactStore(artifact_root)
         try:
             self.engine = _sqlite_engine(url) if url.startswith("sqlite") else create_engine(url)
@@ -213,6 +232,7 @@ class Registry:
         """Register ``files`` (artifact name -> local path) as the next version of ``name``."""
         check_name(name)
         staging = f"{name}/.staging-{uuid.uuid4().hex}"
+        self._mark_owner(staging)
         stored = {artifact: self.artifacts.put(f"{staging}/{artifact}", path) for artifact, path in files.items()}
         final_prefix: str | None = None
         try:
@@ -220,8 +240,8 @@ class Registry:
                 try:
                     with self._tx() as conn:
                         version = self._next_version(conn, name)
-                        final_prefix = f"{name}/{version}"
-                        self.artifacts.move_prefix(staging, final_prefix)
+                        self.artifacts.move_prefix(staging, f"{name}/{version}")
+                        final_prefix = f"{name}/{version}"  # ours only once moved: never delete another's
                         self._insert_version(conn, name, version, stored, final_prefix, config=config,
                                              metrics=metrics, signature=signature, source_run=source_run,
                                              data_fingerprint=data_fingerprint, code_version=code_version or {},
@@ -238,6 +258,15 @@ class Registry:
             if final_prefix is not None and not self._version_exists(name, int(final_prefix.rsplit("/", 1)[1])):
                 self.artifacts.delete_prefix(final_prefix)
             raise
+
+    def _mark_owner(self, prefix: str) -> None:
+        """Mark a version's folder with this registry's identity, so that a leftover of this registry (a
+        registration that died between moving its folder and committing) can be told apart from the
+        folder of another registry sharing the artifact store, which must never be replaced."""
+        with tempfile.TemporaryDirectory(prefix="mlscale-owner-") as tmp:
+            mark = Path(tmp) / OWNER_MARK
+            mark.write_text(self.identity + "\n")
+            self.artifacts.put(f"{prefix}/{OWNER_MARK}", mark)
 
     def _next_version(self, conn: Connection, name: str) -> int:
         now = _now()

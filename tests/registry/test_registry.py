@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mlscale import TrainConfig, fit
-from mlscale.errors import UsageError
+from mlscale.errors import MlscaleError, UsageError
 from mlscale.registry import ArtifactIntegrityError, NotFound, Registry, load_torch_model, register_run, schema
 from tests.helpers import run_cli
 
@@ -157,3 +157,13 @@ def test_lineage_says_when_the_source_run_directory_now_holds_another_run(tmp_pa
     assert "changed: the directory now holds another run" in shown.stdout
     shutil.rmtree(run_dir)
     assert Registry(location).resolve(version.uri).source_run_state() == "gone"
+
+
+def test_two_registries_sharing_an_artifact_folder_never_replace_each_others_files(tmp_path, trained_runs):
+    first = Registry(str(tmp_path / "shared"))  # artifacts in shared/artifacts
+    second = Registry(f"sqlite:///{tmp_path / 'shared' / 'other.db'}")  # the same artifact folder
+    version = register_run(first, trained_runs["digits"], "m")
+    with pytest.raises(MlscaleError, match="belong to another registry"):
+        register_run(second, trained_runs["digits-cnn"], "m")
+    load_torch_model(first, first.resolve(version.uri))  # the first registry's weights are intact
+    assert second.list_models() == []  # nothing half-registered in the second
