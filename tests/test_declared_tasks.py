@@ -94,6 +94,37 @@ def test_the_current_directory_is_not_put_on_the_python_path(tmp_path, monkeypat
     assert sys.path == path_before
 
 
+def test_a_module_in_the_current_directory_is_not_imported_even_under_python_dash_m(tmp_path):
+    """``python -m`` puts the current directory first on the path; mlscale's entry points take it off."""
+    marker = tmp_path / "imported"
+    (tmp_path / "evil_tasks.py").write_text(f"open({str(marker)!r}, 'w').close()\n"
+                                            "from mlscale import declare_task\n@declare_task\ndef make(): ...\n")
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    result = subprocess.run([sys.executable, "-m", "mlscale", "train", "--task", "evil_tasks:make", "--steps", "1"],
+                            capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60)
+    assert result.returncode == 2 and "cannot import 'evil_tasks'" in result.stderr
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("name", ["this:x", "antigravity:x", "os.path:join", "json:loads"])
+def test_a_standard_library_module_is_never_imported_for_a_task(name, capsys):
+    with pytest.raises(UsageError, match="not a declared mlscale task"):
+        make_task(name)
+    assert "Beautiful is better" not in capsys.readouterr().out  # `this` was not imported
+
+
+@pytest.mark.parametrize(("name", "says"), [(":y", "expected package.module:factory"),
+                                            (".x:y", "expected package.module:factory"),
+                                            ("broken_tasks:make", "importing 'broken_tasks' failed: NameError")])
+def test_a_malformed_name_or_a_broken_module_is_one_line(name, says, tmp_path):
+    (tmp_path / "broken_tasks.py").write_text("undefined_name + 1\n")
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}
+    result = subprocess.run([sys.executable, "-m", "mlscale", "train", "--task", name, "--steps", "1"],
+                            capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and says in result.stderr, result.stderr
+
+
 def test_an_installed_package_declares_tasks_through_its_entry_point_group(tmp_path):
     """A package's ``[project.entry-points."mlscale.tasks"]``: the task by its entry-point name."""
     site = tmp_path / "site"

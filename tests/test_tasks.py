@@ -1,3 +1,4 @@
+import os
 import subprocess
 import sys
 
@@ -31,6 +32,6 @@ def test_the_custom_task_example_trains_from_the_command_line(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "mlscale", "train", "--task", "examples.custom_task:make_task", "--task-opt",
          "hidden=32", "--steps", "20", "--run-dir", str(tmp_path / "run")],
-        capture_output=True, text=True, cwd=REPO, timeout=120)
+        capture_output=True, text=True, cwd=REPO, timeout=120, env={**os.environ, "PYTHONPATH": "."})
     assert result.returncode == 0, result.stderr
     assert "examples.custom_task:make_task" in result.stdout and "mse" in result.stdout

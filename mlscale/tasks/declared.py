@@ -10,6 +10,8 @@ be code execution on every host that loads a model.
 from __future__ import annotations
 
 import importlib
+import re
+import sys
 from collections.abc import Callable
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any, TypeVar
@@ -20,6 +22,7 @@ ENTRY_POINT_GROUP = "mlscale.tasks"
 HOW_TO_DECLARE = ("decorate the factory with @mlscale.declare_task, or declare it in the 'mlscale.tasks' "
                   "entry-point group of an installed package")
 
+_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 F = TypeVar("F", bound=Callable[..., Any])
 _DECLARED: dict[str, Callable[..., Any]] = {}
 
@@ -45,24 +48,37 @@ def _entry_point(name: str) -> EntryPoint | None:
     return None
 
 
+def _import(name: str, module_name: str) -> None:
+    """Import the module that should declare ``name``, from the Python path as it is (mlscale never
+    adds the current directory); any failure of the import is one line, not a traceback."""
+    try:
+        importlib.import_module(module_name)
+    except ImportError as exc:
+        raise UsageError(f"bad value task={name!r}: cannot import {module_name!r} ({exc}); "
+                         "is it installed or on PYTHONPATH?") from None
+    except Exception as exc:  # the user's module itself is broken (SyntaxError, NameError, ...)
+        raise UsageError(f"bad value task={name!r}: importing {module_name!r} failed: {type(exc).__name__}: "
+                         f"{exc}") from None
+
+
 def declared_factory(name: str) -> Callable[..., Any] | None:
     """The declared factory for ``name``, importing its module (never calling it); None if unknown."""
     point = _entry_point(name)
     if point is not None:
         try:
             return point.load()
-        except (ImportError, AttributeError) as exc:
+        except Exception as exc:  # the installed package is broken: one line, not a traceback
             raise UsageError(f"bad value task={name!r}: its entry point {point.value!r} does not load "
-                             f"({exc})") from None
+                             f"({type(exc).__name__}: {exc})") from None
     module_name, sep, _ = name.partition(":")
     if not sep:
         return None
+    if not _PATH.match(name):
+        raise UsageError(f"bad value task={name!r}: expected package.module:factory")
+    if module_name.split(".")[0] in sys.stdlib_module_names:  # holds no declared task: never imported
+        raise UsageError(f"bad value task={name!r}: not a declared mlscale task; {HOW_TO_DECLARE}")
     if name not in _DECLARED:
-        try:  # the module comes from the Python path as it is: the current directory is not added
-            importlib.import_module(module_name)
-        except ImportError as exc:
-            raise UsageError(f"bad value task={name!r}: cannot import {module_name!r} ({exc}); "
-                             "is it installed or on PYTHONPATH?") from None
+        _import(name, module_name)
     factory = _DECLARED.get(name)
     if factory is None:
         raise UsageError(f"bad value task={name!r}: not a declared mlscale task; {HOW_TO_DECLARE}")

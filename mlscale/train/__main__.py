@@ -2,6 +2,10 @@
 
 import sys
 
-from mlscale.train.worker import main
+from mlscale.safe_path import drop_implicit_cwd
+
+drop_implicit_cwd()
+
+from mlscale.train.worker import main  # noqa: E402 - after the path is fixed
 
 sys.exit(main())

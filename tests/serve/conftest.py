@@ -52,7 +52,7 @@ def running_server(registry: str, *args: str, ready_timeout: float = 60, cpus: s
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "mlscale", "serve", *args, "--port", str(port),
                                 "--registry", registry], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                               text=True, env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)},
                                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + ready_timeout
