@@ -92,18 +92,17 @@ def _train(args: argparse.Namespace) -> int:
     if args.task_opt:
         overrides["task_options"] = dict(args.task_opt)
     config = build_config(args.config, **overrides)
-    registry = None
-    if args.register:  # checked before training, not after it: a bad name or registry is a usage error now
-        from mlscale.registry import Registry, register_run
+    if args.register:  # the name is checked before training, not after it
         from mlscale.registry.uri import check_name
 
         check_name(args.register)
-        registry = Registry(args.registry)
     report = fit(config)
-    if not report:  # not rank 0 under torchrun: rank 0 reports
+    if not report:  # not rank 0 under torchrun: rank 0 reports (and registers)
         return 0
-    if registry is not None:
-        report["model_uri"] = register_run(registry, report["run_dir"], args.register).uri
+    if args.register:  # opened (created if new) only now: a refused job leaves no registry behind
+        from mlscale.registry import Registry, register_run
+
+        report["model_uri"] = register_run(Registry(args.registry), report["run_dir"], args.register).uri
     if args.plot:
         report["plot"] = _plot(report["run_dir"])
     if args.json:

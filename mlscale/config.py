@@ -78,7 +78,8 @@ def describe_error(error: ValidationError, cli_names: dict[str, str] | None = No
     """One line: the first bad key, its value and why, in the user's words (CLI spelling)."""
     first = error.errors()[0]
     loc = ".".join(str(part) for part in first["loc"])
-    key = (cli_names or _CLI_NAMES).get(loc, loc.replace("_", "-")) if loc else ""
+    names = _CLI_NAMES if cli_names is None else cli_names
+    key = names.get(loc, loc.replace("_", "-")) if loc else ""
     if first["type"] == "extra_forbidden":
         return f"unknown configuration key '{loc}'"
     message = first["msg"].removeprefix("Value error, ")

@@ -12,7 +12,8 @@ NAME_TO_V2 = {name: v2 for v2, name in V2_TO_NAME.items()}
 
 
 def v2_datatype(dtype: Any) -> str:
-    """The protocol's name of a numpy or torch dtype (``torch.float32`` and ``np.float32`` -> ``FP32``)."""
+    """The protocol's name of a torch dtype or a numpy dtype instance (``torch.float32``,
+    ``np.dtype("float32")`` -> ``FP32``)."""
     name = str(dtype).removeprefix("torch.")
     if name not in NAME_TO_V2:
         raise ValueError(f"dtype {name} has no Open Inference Protocol datatype")

@@ -60,6 +60,13 @@ def test_every_mistake_is_one_line_exit_2_and_no_work(args, named, tmp_path):
     assert not (tmp_path / "out").exists() and not Path("/nonexistent").exists()
 
 
+def test_a_refused_job_with_register_leaves_no_registry_behind(tmp_path):
+    result = run_cli("train", "--batch-size", "5000", "--register", "digits", "--registry", str(tmp_path / "reg"),
+                     "--run-dir", str(tmp_path / "run"))
+    assert result.returncode == 2 and "batch-size=5000" in result.stderr
+    assert not (tmp_path / "reg").exists() and not (tmp_path / "run").exists()
+
+
 def test_version():
     result = run_cli("--version")
     assert result.returncode == 0 and result.stdout.strip() == f"mlscale {__version__}"

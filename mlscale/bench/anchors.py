@@ -31,9 +31,9 @@ def litserve_config(system: str, max_batch_size: int, batch_timeout_s: float) ->
     ``--systems litserve,litserve-tuned``; see the README)."""
     config: dict[str, Any] = {"api": "numpy", "max_batch_size": max_batch_size, "batch_timeout": batch_timeout_s,
                               "workers_per_device": 1, "num_api_servers": 1, "api_server_worker_type": "process",
-                              "fast_queue": False, "timeout": 30, "uvicorn": {}}
+                              "fast_queue": False, "timeout": 30, "frozen_gc": False, "uvicorn": {}}
     if system == "litserve-tuned":
-        config.update({"api": "lists", "uvicorn": {"access_log": False}})
+        config.update({"api": "lists", "frozen_gc": True})
     config.update(json.loads(os.environ.get("MLSCALE_LITSERVE_TRY", "{}")) if system == "litserve-tuned" else {})
     return config
 
@@ -62,13 +62,16 @@ def _fix_fast_queue(server: Any) -> None:
 def run_litserve(path: str, port: int, config: dict[str, Any]) -> None:
     import litserve as ls
 
-    from mlscale.bench.litserve_api import APIS
+    from mlscale.bench.litserve_api import APIS, freeze_gc
 
-    api = APIS[config["api"]](path, max_batch_size=config["max_batch_size"], batch_timeout=config["batch_timeout"])
+    api = APIS[config["api"]](path, max_batch_size=config["max_batch_size"], batch_timeout=config["batch_timeout"],
+                              frozen_gc=config["frozen_gc"])
     server = ls.LitServer(api, accelerator="cpu", workers_per_device=config["workers_per_device"],
                           fast_queue=config["fast_queue"], timeout=config["timeout"])
     if config.get("fix_fast_queue"):
         _fix_fast_queue(server)
+    if config["frozen_gc"]:
+        freeze_gc()  # before run() forks the Manager and the API server, which inherit the frozen heap
     server.run(port=port, log_level="warning", generate_client_file=False, num_api_servers=config["num_api_servers"],
                api_server_worker_type=config["api_server_worker_type"], **config["uvicorn"])
 

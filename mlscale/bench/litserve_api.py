@@ -7,19 +7,32 @@ the same JSON and answers the same JSON with less work per request (see its docs
 
 from __future__ import annotations
 
+import gc
+
 import litserve as ls
 import numpy as np
 
 
+def freeze_gc() -> None:
+    """Move everything alive now (imports, the model) out of the garbage collector's reach, as ``mlscale
+    serve`` does at start-up: else each full collection walks it all, a pause that stalls every request
+    in flight (LitServe's API server, forked from a launcher that imported FastAPI and NumPy, paused
+    often enough under load to set p99)."""
+    gc.collect()
+    gc.freeze()
+
+
 class OnnxAPI(ls.LitAPI):
-    def __init__(self, path: str, **kwargs: object) -> None:
+    def __init__(self, path: str, *, frozen_gc: bool = False, **kwargs: object) -> None:
         super().__init__(**kwargs)
-        self.path = path
+        self.path, self.frozen_gc = path, frozen_gc
 
     def setup(self, device: str) -> None:
         from mlscale.export.session import onnx_session
 
         self.session = onnx_session(self.path, threads=1)
+        if self.frozen_gc:
+            freeze_gc()
 
     def decode_request(self, request: dict) -> np.ndarray:
         return np.asarray(request["input"], dtype=np.float32)

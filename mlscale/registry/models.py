@@ -46,7 +46,8 @@ def sample_request(version: ModelVersion, rows: int = 1, *, predict: bool = Fals
     """A request body the server accepts for this version: ``rows`` held-out inputs of its task, as an
     Open Inference Protocol v2 infer request or a ``/predict`` body."""
     spec = version.signature["inputs"][0]
-    inputs = task_of(version.config).eval.inputs[:rows].to(getattr(torch, version.config.get("dtype", "float32")))
+    dtype = getattr(torch, version.config.get("dtype", "float32"))
+    inputs = task_of(version.config).eval.to(dtype).inputs[:rows]  # floats cast, integer inputs kept
     if predict:
         return {"inputs": inputs.tolist()}
     return {"inputs": [{"name": spec["name"], "shape": list(inputs.shape), "datatype": spec["datatype"],

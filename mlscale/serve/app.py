@@ -54,6 +54,7 @@ class ServerState:
         self.exec_timeout_s = exec_timeout_s
         self.not_live: str | None = None  # why liveness fails; once set it stays: a restart is the cure
         self.ready = False
+        self.draining = False  # set by the first SIGTERM: never ready again
         self.tasks: list[asyncio.Task[None]] = []
         self.loop_lag_s = 0.0  # how late the event loop runs what is ready: the server's own backlog
 
@@ -339,7 +340,7 @@ def build_app(state: ServerState) -> InferenceFrontend:
                 state.tasks.append(asyncio.get_running_loop().create_task(slot.follow()))
         gc.collect()
         gc.freeze()  # what start-up loaded lives as long as the server: keep it out of every collection
-        state.ready = True
+        state.ready = not state.draining
         yield
         state.ready = False
         for task in state.tasks:

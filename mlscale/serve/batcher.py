@@ -146,10 +146,13 @@ class LatencyGuard:
 
 class DynamicBatcher:
     def __init__(self, runtime: Runtime, *, stats: ModelStats, max_batch_size: int, max_delay_s: float,
-                 queue_limit: int, slo_s: float | None, timeout_s: float) -> None:
+                 queue_limit: int, slo_s: float | None, timeout_s: float, inline: bool = True) -> None:
+        """``inline=False``: every batch runs on the execution thread, never on the event loop, so the
+        loop can always answer a liveness probe while a model call runs (``--exec-timeout-s``)."""
         self.runtime, self.stats = runtime, stats
         self.max_batch_size, self.max_delay_s = max_batch_size, max_delay_s
         self.queue_limit, self.slo_s, self.timeout_s = queue_limit, slo_s, timeout_s
+        self.inline = inline
         self.cost_model = CostModel()
         self.guard = None if slo_s is None else LatencyGuard(
             slo_s, limit=min(queue_limit, 4 * max_batch_size), min_limit=min(queue_limit, max_batch_size),
@@ -282,13 +285,16 @@ class DynamicBatcher:
         predicted = self.cost_model.cost(len(array))
         self._busy_until = start + (predicted or 0.0)
         self.call_started = start
+        self.stats.executing.set(1)
         try:
-            if (ONE_CORE and self.slo_s is None) or (predicted is not None and predicted < INLINE_BELOW_S):
+            if self.inline and ((ONE_CORE and self.slo_s is None) or (predicted is not None
+                                                                       and predicted < INLINE_BELOW_S)):
                 output = self.runtime.run(array)
             else:
                 output = await loop.run_in_executor(self._executor, self.runtime.run, array)
         finally:
             self._busy_until = self.call_started = None
+            self.stats.executing.set(0)
             self._last_done = time.perf_counter()
             self._concurrent = self._concurrent or bool(self._queue)
         elapsed = time.perf_counter() - start

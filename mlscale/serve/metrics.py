@@ -83,6 +83,7 @@ GAUGES = [
     (lambda s: s.admission_limit, "mlscale_admission_limit",
      "Most admitted requests in flight, set to keep p99 under --slo-ms"),
     (lambda s: s.loaded, "mlscale_model_loaded", "1 for each loaded model version"),
+    (lambda s: s.executing, "mlscale_inference_executing", "1 while a model call of this version runs"),
 ]
 
 
@@ -95,7 +96,8 @@ class ModelStats:
         self.cache = {"hit": Counter(), "miss": Counter(), "coalesced": Counter()}
         self.duration, self.queue, self.compute = (Histogram(LATENCY_BUCKETS) for _ in range(3))
         self.batch_size = Histogram(BATCH_BUCKETS)
-        self.queue_depth, self.batch_target, self.admission_limit, self.loaded = (Gauge() for _ in range(4))
+        self.queue_depth, self.batch_target, self.admission_limit, self.loaded, self.executing = (
+            Gauge() for _ in range(5))
         self.failures: dict[str, Counter] = {}
 
     def failure(self, reason: str) -> None:

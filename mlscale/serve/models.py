@@ -42,7 +42,8 @@ class ServedModel:
                                       max_batch_size=options.max_batch_size, max_delay_s=options.max_delay_ms / 1e3,
                                       queue_limit=options.queue_limit,
                                       slo_s=options.slo_ms / 1e3 if options.slo_ms else None,
-                                      timeout_s=options.timeout_ms / 1e3)
+                                      timeout_s=options.timeout_ms / 1e3,
+                                      inline=options.exec_timeout_s is None)
         self.stats.loaded.set(1)
 
     def warm_up(self) -> None:

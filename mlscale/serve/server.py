@@ -41,6 +41,7 @@ class _DrainingServer(uvicorn.Server):
         if self.should_exit or self.drain_ends is not None:  # a second signal: exit now
             self.should_exit = self.force_exit = True
             return
+        self.state.draining = True  # readiness 503 from now on, also if start-up is still going
         self.state.ready = False  # load balancers stop sending; inference is still served
         if sig == signal.SIGTERM and self.drain_delay_s > 0:
             self.drain_ends = time.monotonic() + self.drain_delay_s
@@ -70,12 +71,16 @@ def build_state(uris: list[str], options: ServeOptions, registry: Registry) -> S
     return ServerState(slots, metrics, cache, options.max_body_bytes, exec_timeout_s=options.exec_timeout_s)
 
 
-def listen(host: str, port: int) -> socket.socket:
-    """The listening socket, bound before anything else, so a port that is taken is one clear line."""
+def bind(host: str, port: int) -> socket.socket:
+    """The server's socket, bound (not yet listening: no connection is accepted before the models are
+    loaded) before anything else, so a port that is taken is one clear line and nothing is loaded."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
-        return socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
-                                    backlog=2048)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        return sock
     except OSError as exc:
+        sock.close()
         if exc.errno == errno.EADDRINUSE:
             raise MlscaleError(f"cannot serve on {host}:{port}: the port is already in use (another server?); "
                                "choose another with --port") from None
@@ -85,8 +90,12 @@ def listen(host: str, port: int) -> socket.socket:
 def serve(uris: list[str], *, options: ServeOptions | None = None, registry_location: str | None = None,
           log_level: str = "warning") -> None:
     options = options or ServeOptions()
-    sock = listen(options.host, options.port)
-    state = build_state(uris, options, Registry(registry_location, create=False))
+    sock = bind(options.host, options.port)
+    try:
+        state = build_state(uris, options, Registry(registry_location, create=False))
+    except BaseException:
+        sock.close()
+        raise
     logging.basicConfig(level=logging.WARNING, format="mlscale serve: %(message)s")
     # No proxy-header rewriting (nothing here reads the client address) and no Server/Date headers:
     # per-request work the hot path does not need.

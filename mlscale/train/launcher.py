@@ -70,6 +70,9 @@ def resumed_config(config: TrainConfig) -> TrainConfig:
         return config  # _prepare says there is nothing to resume
     saved = run_dir.read_config()
     given = {name: getattr(config, name) for name in config.model_fields_set}
+    for length, other in (("steps", "epochs"), ("epochs", "steps")):  # a new length replaces the saved one
+        if given.get(length) is not None:
+            saved.pop(other, None)
     try:
         return TrainConfig(**{**saved, **given, "resume": True})
     except ValidationError as exc:
@@ -122,7 +125,9 @@ def _prepare(config: TrainConfig, run_dir: RunDir) -> None:
     has_checkpoint = Checkpointer(run_dir.checkpoints).latest() is not None
     if config.resume and not has_checkpoint:
         raise UsageError(f"bad value run-dir={config.run_dir!r}: nothing to resume (no checkpoint in it)")
-    if not config.resume and (has_checkpoint or run_dir.report_path.exists()):
+    failed_at_start = (not has_checkpoint and run_dir.report_path.exists()
+                       and run_dir.read_report().get("status") == "failed")  # nothing to keep: start again
+    if not config.resume and not failed_at_start and (has_checkpoint or run_dir.report_path.exists()):
         raise UsageError(f"bad value run-dir={config.run_dir!r}: it already holds a run; "
                          "add --resume to continue it or choose another --run-dir")
     run_dir.write_config(config.model_dump())

@@ -39,7 +39,7 @@ def _busy_with_one_queued(base: str) -> list[tuple[threading.Thread, list[httpx.
     """A 2-second model call running and one request queued behind it (max batch 1, queue limit 1)."""
     url = f"{base}/v2/models/misbehaving/infer"
     running = _in_background(url, infer_body([[SLOW, 0, 0, 0]]))
-    time.sleep(0.3)  # the slow call has started (it is alone: nothing else is queued yet)
+    _wait_for(lambda: metric(base, "mlscale_inference_executing", model="misbehaving", version="1") == 1)
     queued = _in_background(url, infer_body([[0.1, 0.2, 0.3, 0.4]]))
     _wait_for(lambda: metric(base, "mlscale_inference_pending_request_count", model="misbehaving", version="1") == 1)
     return [running, queued]
@@ -80,7 +80,8 @@ def _offer(base: str, path: str, bodies: list[str], rate: float, seconds: float)
     """Open-loop Poisson load from the project's load generator (its own process: an HTTP client in
     Python that costs more than the server would measure itself, not the server)."""
     config = {"host": "127.0.0.1", "port": int(base.rsplit(":", 1)[1]), "path": path, "bodies": bodies,
-              "rate": rate, "duration_s": seconds, "warmup_s": 0.5, "connections": 128, "max_connections": 256}
+              "rate": rate, "duration_s": seconds, "warmup_s": 0.5, "connections": 128, "max_connections": 256,
+              "cpu": 1}
     output = subprocess.run([sys.executable, "-m", "mlscale.bench.loadgen"], input=json.dumps(config),
                             capture_output=True, text=True, timeout=60)
     assert output.returncode == 0, output.stderr
@@ -91,7 +92,7 @@ def test_with_an_slo_a_burst_it_cannot_hold_is_refused_at_once_and_the_admitted_
     rng = np.random.default_rng(7)
     bodies = [json.dumps(infer_body(rng.random((1, 64)).tolist())) for _ in range(200)]
     with running_server(serve_registry, "models:/slow/1", "--slo-ms", str(SLO_MS), "--max-batch-size", "8",
-                        "--cache-mb", "0") as (base, _):
+                        "--cache-mb", "0", cpus={0}) as (base, _):  # the load generator gets core 1
         for body in bodies[:10]:  # the cost model learns what a batch costs
             httpx.post(f"{base}/v2/models/slow/infer", content=body)
         result = _offer(base, "/v2/models/slow/infer", bodies, rate=2000, seconds=2.0)  # ~3x what it holds

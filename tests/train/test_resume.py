@@ -113,3 +113,22 @@ def test_a_refused_or_failed_start_leaves_the_run_directory_byte_identical(flags
     assert result.returncode == code, result.stderr
     after = {name: data for name, data in _files(run_dir).items() if not name.startswith("logs/")}
     assert after == before, sorted(name for name in after if after[name] != before.get(name))
+
+
+def test_resume_with_steps_replaces_the_epochs_a_run_was_started_with(tmp_path):
+    run_dir = tmp_path / "run"
+    assert run_cli("train", "--task", "digits", "--epochs", "1", "--run-dir", str(run_dir)).returncode == 0
+    result = run_cli("train", "--run-dir", str(run_dir), "--steps", "60", "--resume")
+    assert result.returncode == 0, result.stderr
+    config = json.loads((run_dir / "config.json").read_text())
+    assert (config["steps"], config["epochs"]) == (60, None)
+    assert json.loads((run_dir / "report.json").read_text())["steps"] == 60
+
+
+def test_a_run_directory_whose_job_failed_before_any_checkpoint_can_be_run_again(tmp_path):
+    run_dir = tmp_path / "run"
+    args = ["train", "--task", "digits", "--workers", "2", "--steps", "10", "--run-dir", str(run_dir)]
+    failed = run_cli(*args, "--fault", "kill:rank=1:step=3", timeout=180)
+    assert failed.returncode == 1 and json.loads((run_dir / "report.json").read_text())["status"] == "failed"
+    again = run_cli(*args, timeout=180)
+    assert again.returncode == 0, again.stderr
