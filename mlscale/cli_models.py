@@ -121,7 +121,7 @@ def _show(args: argparse.Namespace) -> int:
     if args.target.startswith("models:/"):
         version = registry.resolve(args.target)
         if args.json:
-            print(as_json(version.as_dict()))
+            print(as_json({**version.as_dict(), "source_run_state": version.source_run_state()}))
         else:
             print(_lineage(version))
         return 0

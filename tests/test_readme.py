@@ -4,12 +4,16 @@ shell, in a fresh folder, with the installed ``mlscale`` on the PATH."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tests.helpers import REPO
 
@@ -34,14 +38,21 @@ def test_the_marked_blocks_are_found():
     assert kinds.count("run") >= 5 and "python" in kinds and "file" in kinds
 
 
+@pytest.mark.timeout(900)
 def test_every_marked_readme_block_runs_as_written(tmp_path):
     shutil.copytree(REPO / "examples", tmp_path / "examples")  # the README runs from a checkout's root
     script = readme_script((REPO / "README.md").read_text())
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     env.pop("MLSCALE_REGISTRY", None)
     env.pop("PYTHONPATH", None)
-    result = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
-                            timeout=600)
+    shell = subprocess.Popen(["bash", "-c", script], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = shell.communicate(timeout=800)
+    finally:  # whatever happened: no server, worker or training job of the README outlives the test
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(shell.pid, signal.SIGKILL)
+    result = subprocess.CompletedProcess(shell.args, shell.returncode, stdout, stderr)
     assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     out = result.stdout
     assert "registered  models:/digits/1" in out and "champion" in out

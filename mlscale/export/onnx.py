@@ -22,7 +22,7 @@ from torch import nn
 from mlscale.errors import MlscaleError
 from mlscale.export.session import onnx_session
 from mlscale.registry.models import load_torch_model, task_of
-from mlscale.registry.store import Artifact, Registry
+from mlscale.registry.store import Artifact, ModelVersion, Registry
 
 RTOL, ATOL = 1e-4, 1e-5
 ONNX_ARTIFACT = "model.onnx"
@@ -86,6 +86,26 @@ def check_parity(model: nn.Module, path: Path, inputs: torch.Tensor, rtol: float
     return Parity(abs_err, rel_err, rtol, atol, len(inputs), sizes, passed)
 
 
+def _stored_export(registry: Registry, version: ModelVersion, samples: int, rtol: float,
+                   atol: float) -> tuple[Artifact, Parity]:
+    """The version's stored ``model.onnx`` (verified) and its recorded parity; asked for other
+    tolerances than it was checked with, the stored file is checked again against them (nothing is
+    rewritten: a version's files are write-once)."""
+    path = registry.artifact_path(version, ONNX_ARTIFACT)  # verifies the stored bytes
+    stored = version.artifacts[ONNX_ARTIFACT]
+    parity = Parity(**stored.info["parity"])
+    if (parity.rtol, parity.atol) == (rtol, atol):
+        return stored, parity
+    model = load_torch_model(registry, version)
+    held_out = task_of(version.config).eval.to(next(model.parameters()).dtype).inputs[:samples]
+    parity = check_parity(model, path, held_out, rtol=rtol, atol=atol)
+    if not parity.passed:
+        raise ExportError(f"the stored ONNX export of {version.uri} differs from PyTorch beyond rtol {rtol:g}, "
+                          f"atol {atol:g} (max abs error {parity.max_abs_err:.3g}); a version's files are "
+                          "write-once: register a new version to export again")
+    return stored, parity
+
+
 def export_version(registry: Registry, uri: str, *, samples: int = 256, rtol: float = RTOL,
                    atol: float = ATOL) -> tuple[Artifact, Parity]:
     """Export a registered version to ONNX, check parity, store ``model.onnx`` in the same version.
@@ -96,9 +116,7 @@ def export_version(registry: Registry, uri: str, *, samples: int = 256, rtol: fl
 
     version = registry.resolve(uri)
     if ONNX_ARTIFACT in version.artifacts:
-        registry.artifact_path(version, ONNX_ARTIFACT)  # verifies the stored bytes
-        stored = version.artifacts[ONNX_ARTIFACT]
-        return stored, Parity(**stored.info["parity"])
+        return _stored_export(registry, version, samples, rtol, atol)
     model = load_torch_model(registry, version)
     held_out = task_of(version.config).eval.to(next(model.parameters()).dtype).inputs[:samples]
     with tempfile.TemporaryDirectory(prefix="mlscale-onnx-") as tmp:

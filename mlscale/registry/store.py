@@ -113,7 +113,6 @@ class ModelVersion:
     def as_dict(self) -> dict[str, Any]:
         data = {k: v for k, v in self.__dict__.items() if k != "artifacts"}
         data["uri"] = self.uri
-        data["source_run_state"] = self.source_run_state()
         data["artifacts"] = {name: a.__dict__ for name, a in self.artifacts.items()}
         return data
 

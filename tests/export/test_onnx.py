@@ -60,6 +60,9 @@ def test_a_second_export_of_a_version_is_a_no_op_and_other_bytes_are_refused(reg
     with pytest.raises(UsageError, match="write-once"):
         registry.add_artifact("model2", 1, "model.onnx", other, {})
     assert (stored.stat().st_ino, stored.stat().st_mtime_ns) == before  # never rewritten
+    with pytest.raises(ExportError, match="stored ONNX export"):  # other tolerances: the stored file checked again
+        export_version(registry, "models:/model2/1", rtol=0.0, atol=1e-15)
+    assert export_version(registry, "models:/model2/1", rtol=1e-3, atol=1e-4)[1].passed
     registry.artifact_path(registry.resolve("models:/model2/1"), "model.onnx")  # still verifies
     actions = [h["action"] for h in registry.history("model2")]
     assert actions.count("add_artifact") == 1
