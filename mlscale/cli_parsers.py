@@ -93,3 +93,34 @@ def add_out_option(p: argparse.ArgumentParser, name: str) -> None:
     p.add_argument("--out", default=default, metavar="DIR",
                    help=f"folder for {name}.json and {name}.png (default: a new runs/bench-{name}-TIME; the "
                    f"committed results are in bench/results/{name})")
+
+
+def name_list(known: Sequence[str]) -> Callable[[str], list[str]]:
+    """An argparse type: comma-separated names, each one of ``known``."""
+
+    def parse(text: str) -> list[str]:
+        names = [part.strip() for part in text.split(",") if part.strip()]
+        unknown = [name for name in names if name not in known]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"{', '.join(unknown) or repr(text)}: expected comma-separated names "
+                                             f"from {', '.join(known)}")
+        return names
+
+    parse.__name__ = "list of names"
+    return parse
+
+
+def float_above(minimum: float) -> Callable[[str], float]:
+    """An argparse type: a number > ``minimum``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not value > minimum:
+            raise argparse.ArgumentTypeError(f"{value:g} must be more than {minimum:g}")
+        return value
+
+    parse.__name__ = f"number > {minimum:g}"
+    return parse

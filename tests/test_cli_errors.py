@@ -46,6 +46,10 @@ def test_bad_values_exit_2_with_one_line_naming_them(args, named, capsys, tmp_pa
     (["bench", "train", "--steps", "3"], "--steps: 3 is less than 6"),
     (["bench", "export", "--batch-sizes", "0"], "--batch-sizes: 0 is less than 1"),
     (["bench", "checkpoint", "--every", "0"], "--every: 0 is less than 1"),
+    (["bench", "serve", "--models", "nope"], "--models: nope: expected comma-separated names from digits-mlp"),
+    (["bench", "serve", "--systems", "mlscale,triton"], "--systems: triton: expected"),
+    (["bench", "serve", "--repeats", "0"], "--repeats: 0 is less than 1"),
+    (["bench", "serve", "--checks", "overload", "--systems", "fastapi"], "bad value checks=overload"),
     (["train", "--workers", "two"], "--workers: invalid int value: 'two'"),
     (["train", "--worker", "2"], "unrecognized arguments: --worker 2"),  # no abbreviations
     (["models", "list", "--jsn"], "mlscale models list: error: unrecognized arguments: --jsn"),
@@ -65,6 +69,19 @@ def test_a_refused_job_with_register_leaves_no_registry_behind(tmp_path):
                      "--run-dir", str(tmp_path / "run"))
     assert result.returncode == 2 and "batch-size=5000" in result.stderr
     assert not (tmp_path / "reg").exists() and not (tmp_path / "run").exists()
+
+
+def test_benchmarks_never_write_over_the_committed_results_by_default():
+    from mlscale.cli import build_parser
+
+    for name in ("train", "checkpoint", "export", "serve"):
+        args = build_parser().parse_args(["bench", name])
+        assert args.out.startswith(f"runs/bench-{name}-"), args.out
+
+
+def test_bench_serve_help_states_its_duration_and_offers_quick():
+    result = run_cli("bench", "serve", "--help")
+    assert result.returncode == 0 and "about 25 minutes" in result.stdout and "--quick" in result.stdout
 
 
 def test_version():

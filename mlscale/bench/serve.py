@@ -6,7 +6,9 @@ Each server runs in its own process pinned to CPU 0; the open-loop Poisson load 
 then is bisected; goodput is the highest rate whose trial had p99 <= SLO, < 0.1% errors and a generator
 that kept up. Every trial is a point of the latency-throughput curve. The cache-hit check compares
 p50 of repeated identical requests to mlscale with a no-op JSON endpoint at the same rate; the
-overload check offers 2x mlscale's goodput and reports the p99 of the admitted requests.
+overload check offers 2x mlscale's goodput and reports the p99 of the admitted requests. With the
+defaults (two models, four systems, three repeats) it takes about 25 minutes; ``--quick`` (digits
+only, one repeat, short trials, goodput only) gives a first look in two or three.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +34,8 @@ import numpy as np
 from mlscale.bench.anchors import LITSERVE_SYSTEMS, litserve_config
 from mlscale.bench.machine import machine_info
 from mlscale.bench.report import pyplot, save_figure, write_results
+from mlscale.cli_parsers import add_out_option, float_above, int_at_least, name_list
+from mlscale.errors import UsageError
 
 SERVER_CPU, LOADGEN_CPU = 0, 1
 # Persistent connections the load generator opens before a trial, and the most it keeps (past them a
@@ -49,23 +54,46 @@ MODELS = {
 }
 
 
+SYSTEMS = ("mlscale", *LITSERVE_SYSTEMS, "fastapi")
+CHECKS = ("goodput", "overload", "cache")
+# --quick: what each option becomes, unless given on the command line
+QUICK = {"models": ["digits-mlp"], "repeats": 1, "duration_s": 1.5, "warmup_s": 0.5, "bisect": 2,
+         "checks": ["goodput"]}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default="bench/results/serve", help="folder for serve.json and serve.png")
-    p.add_argument("--slo-ms", type=float, default=50.0, help="p99 latency objective (default 50)")
-    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {', '.join(MODELS)}")
-    p.add_argument("--systems", default="mlscale,litserve,litserve-tuned,fastapi", help="servers to compare")
-    p.add_argument("--duration-s", type=float, default=3.0, help="measured seconds per trial (default 3)")
-    p.add_argument("--warmup-s", type=float, default=1.0, help="discarded seconds per trial (default 1)")
-    p.add_argument("--bisect", type=int, default=4, help="bisection steps after the first failure (default 4)")
-    p.add_argument("--start-rate", type=float, default=100.0, help="first offered rate, requests/s (default 100)")
-    p.add_argument("--checks", default="goodput,overload,cache", help="which parts to run (default all)")
-    p.add_argument("--overload-rate", type=float, default=None,
+    add_out_option(p, "serve")
+    p.add_argument("--quick", action="store_true",
+                   help="a first look in a few minutes: digits only, 1 repeat, 1.5 s trials, goodput only "
+                   "(the defaults take about 25 minutes)")
+    p.add_argument("--slo-ms", type=float_above(0), default=50.0, help="p99 latency objective (default 50)")
+    p.add_argument("--models", type=name_list(tuple(MODELS)), default=list(MODELS),
+                   help=f"comma-separated, from {', '.join(MODELS)} (default all)")
+    p.add_argument("--systems", type=name_list(SYSTEMS), default=list(SYSTEMS),
+                   help=f"servers to compare, from {', '.join(SYSTEMS)} (default all)")
+    p.add_argument("--duration-s", type=float_above(0), default=3.0, help="measured seconds per trial (default 3)")
+    p.add_argument("--warmup-s", type=float_above(-1e-9), default=1.0, help="discarded seconds per trial (default 1)")
+    p.add_argument("--bisect", type=int_at_least(0), default=4,
+                   help="bisection steps after the first failure (default 4)")
+    p.add_argument("--start-rate", type=float_above(0), default=100.0,
+                   help="first offered rate, requests/s (default 100)")
+    p.add_argument("--checks", type=name_list(CHECKS), default=list(CHECKS),
+                   help=f"which parts to run, from {', '.join(CHECKS)} (default all)")
+    p.add_argument("--overload-rate", type=float_above(0), default=None,
                    help="offered rate of the overload check (default: 2x mlscale's measured goodput)")
-    p.add_argument("--repeats", type=int, default=3,
+    p.add_argument("--repeats", type=int_at_least(1), default=3,
                    help="goodput searches per system, taking turns; the median is reported (default 3)")
-    p.add_argument("--max-batch-size", type=int, default=64)
-    p.add_argument("--max-delay-ms", type=float, default=10.0,
+    p.add_argument("--max-batch-size", type=int_at_least(1), default=64)
+    p.add_argument("--max-delay-ms", type=float_above(-1e-9), default=10.0,
                    help="mlscale --max-delay-ms and LitServe batch_timeout, the same for both (default 10)")
+
+
+def apply_quick(args: argparse.Namespace, defaults: argparse.Namespace) -> None:
+    """``--quick``: the QUICK values for every option left at its default."""
+    if getattr(args, "quick", False):
+        for name, value in QUICK.items():
+            if getattr(args, name) == getattr(defaults, name):
+                setattr(args, name, value)
 
 
 def _free_port() -> int:
@@ -160,7 +188,11 @@ def start_server(kind: str, model: dict[str, Any], args: argparse.Namespace, *, 
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
                                preexec_fn=_pin_server, start_new_session=True)
     server = Server(kind, process, port, path, bodies, config=config)
-    _wait_ready(server)
+    try:
+        _wait_ready(server)
+    except BaseException:  # a server that never came up must not stay behind, pinned to the server core
+        server.stop()
+        raise
     server.processes = len(group_processes(process.pid))
     return server
 
@@ -317,7 +349,7 @@ def offline_ceiling(onnx_path: str, rows: np.ndarray, batch: int, seconds: float
 
 
 def _log(name: str, result: dict[str, Any]) -> None:
-    print(f"  {name:<9} offered {result['offered_rate']:8,.0f}/s  ok {result['throughput']:8,.0f}/s  "
+    print(f"  {name:<14} offered {result['offered_rate']:8,.0f}/s  ok {result['throughput']:8,.0f}/s  "
           f"p50 {result['latency_ms']['p50']:7.2f} ms  p99 {result['latency_ms']['p99']:8.2f} ms  "
           f"errors {result['error_rate']:.2%}  lag p99 {result['generator_lag_ms']['p99']:.2f} ms  "
           f"{'ok' if result['meets_slo'] else 'MISS'}", file=sys.stderr, flush=True)
@@ -355,28 +387,27 @@ def measure_goodputs(model: dict[str, Any], systems: list[str], args: argparse.N
 def describe_server(server: Server) -> dict[str, Any]:
     """Where a system ran: how many processes shared the one server core and, for LitServe, its settings.
 
-    LitServe splits a server into processes (its launcher, a ``multiprocessing`` Manager that holds the
-    request and response queues, the uvicorn API server(s) and the inference worker(s)); pinned to one
-    core they take turns on it, so the count is part of what the goodput means."""
+    LitServe splits a server into processes (see ``anchors``); pinned to one core they take turns on it,
+    and every request crosses between them, so the count is part of what its goodput means."""
     out: dict[str, Any] = {"server_processes": server.processes, "server_cpus": [SERVER_CPU]}
     if server.config is not None:
-        out["litserve_config"] = server.config
-        out["note"] = (f"LitServe runs {server.processes} processes here, all pinned to CPU {SERVER_CPU}: its launcher,"
-                       f" a multiprocessing Manager holding the queues, {server.config['num_api_servers']} uvicorn API "
-                       f"server(s) and {server.config['workers_per_device']} inference worker(s)")
+        config = server.config
+        out["litserve_config"] = config
+        out["note"] = (f"{server.processes} processes, all pinned to CPU {SERVER_CPU}: the launcher, a multiprocessing "
+                       f"Manager holding the queues, its resource tracker, {config['num_api_servers']} uvicorn API "
+                       f"server(s), {config['workers_per_device']} inference worker(s)")
     return out
 
 
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
-    names = [m for m in args.models.split(",") if m]
-    systems = [s for s in args.systems.split(",") if s]
+    names, systems = list(args.models), list(args.systems)
     results: dict[str, Any] = {"models": {}}
     with tempfile.TemporaryDirectory(prefix="mlscale-bench-serve-") as tmp:
         prepared = prepare_models(Path(tmp), names)
         for name in names:
             model = prepared[name]
             print(f"{name}:", file=sys.stderr, flush=True)
-            checks = args.checks.split(",")
+            checks = list(args.checks)
             row = measure_goodputs(model, systems if "goodput" in checks else [], args)
             if "overload" in checks:
                 rate = args.overload_rate or 2 * row["systems"]["mlscale"]["goodput"]
@@ -386,7 +417,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             _ratios(row)
             results["models"][name] = row
     results.update({
-        "benchmark": "serving goodput at an SLO: mlscale vs LitServe (batching on) vs plain FastAPI vs offline",
+        "benchmark": ("serving goodput at an SLO: mlscale vs LitServe (batching on; as its docs recommend and tuned "
+                      "for one core) vs plain FastAPI vs offline"),
         "how": (f"open-loop Poisson load (mlscale/bench/loadgen.py: bare asyncio protocols on uvloop, keeps up with "
                 f"~18,000 requests/s on one core; a pool of {POOL_CONNECTIONS} persistent connections opened first, a "
                 f"request finding all busy waits for one), latency from the intended send time, each trial "
@@ -398,7 +430,10 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 f"{args.bisect} bisections); server pinned to CPU {SERVER_CPU}, load generator to CPU {LOADGEN_CPU};"
                 f" onnxruntime 1 thread everywhere; mlscale --max-batch-size {args.max_batch_size} --max-delay-ms "
                 f"{args.max_delay_ms:g} --cache-mb 0; LitServe max_batch_size {args.max_batch_size}, batch_timeout "
-                f"{args.max_delay_ms / 1e3:g} s; inputs: 200 distinct held-out rows, one per request; overload: "
+                f"{args.max_delay_ms / 1e3:g} s, 1 API server, 1 inference worker, its processes all on CPU "
+                f"{SERVER_CPU} (litserve-tuned: the same with the GC heap frozen after start-up, as mlscale does; "
+                f"settings and process count in each system's litserve_config and server_processes); inputs: 200 "
+                f"distinct held-out rows, one per request; overload: "
                 f"2x mlscale's goodput, with --slo-ms {args.slo_ms:g} and without (invalid where the generator "
                 f"lagged); cache: one repeated request at 1,000/s against a bare-ASGI no-op endpoint on uvicorn, "
                 f"alternating, median p50 of 5"),
@@ -464,7 +499,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     plt = pyplot()
     models = results["models"]
     fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 4.5), squeeze=False)
-    colors = {"mlscale": "tab:blue", "litserve": "tab:orange", "fastapi": "tab:gray"}
+    colors = {"mlscale": "tab:blue", "litserve": "tab:orange", "litserve-tuned": "tab:red", "fastapi": "tab:gray"}
     for ax, (name, row) in zip(axes[0], models.items()):
         for system, data in row["systems"].items():
             trials = data["trials"]
@@ -477,15 +512,19 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.set(xscale="log", yscale="log", xlabel="offered load (requests/s, Poisson)", ylabel="p99 latency (ms)",
                title=name)
         ax.legend(fontsize=8)
-    fig.suptitle("Latency vs offered load (open loop); goodput = highest load with p99 under the SLO")
+    title = "Latency vs offered load (open loop); goodput = highest load with p99 under the SLO"
+    fig.suptitle("\n".join(textwrap.wrap(title, width=int(8 * fig.get_figwidth()))))  # never cut at the edges
     save_figure(fig, path)
 
 
 def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    from mlscale.errors import UsageError
-
-    if args.repeats < 1:
-        raise UsageError(f"bad value repeats={args.repeats}: must be >= 1")
+    defaults = argparse.ArgumentParser()
+    add_arguments(defaults)
+    apply_quick(args, defaults.parse_args([]))
+    if "overload" in args.checks and args.overload_rate is None and not {"goodput", "mlscale"} <= {
+            *args.checks, *args.systems}:
+        raise UsageError("bad value checks=overload: its rate is 2x mlscale's goodput, so it needs the goodput "
+                         "check and the mlscale system, or an explicit --overload-rate")
     results = run_benchmark(args)
     json_path, png_path = write_results(args.out, "serve", results, plot)
     for name, row in results["models"].items():
