@@ -1,20 +1,22 @@
 """The servers we measure ourselves against, each a runnable module so it gets its own process:
 
 - ``litserve``: LitServe with batching on, as its docs recommend (``max_batch_size``, ``batch_timeout``);
-- ``litserve-tuned``: LitServe in the best configuration for one core we found (``litserve_config``);
+- ``litserve-tuned``: the same in the best configuration for one core we found (``litserve_config``);
 - ``fastapi``: a plain FastAPI endpoint that runs the model once per request;
 - ``noop``: a bare ASGI endpoint on uvicorn (the stack mlscale's inference routes run on) that parses
   the JSON body and returns a fixed answer of the same size as a model's: the floor for any HTTP JSON
   server here.
 
-All run the same ONNX file with onnxruntime on 1 thread. Usage:
+All run the same ONNX file with onnxruntime on 1 thread. A LitServe server is 5 processes, all on the one
+server core: the launcher, a ``multiprocessing`` Manager holding the request and response queues (every
+put and get is a round trip to it), multiprocessing's resource tracker, the uvicorn API server and the
+inference worker. Usage:
 ``python -m mlscale.bench.anchors KIND ONNX_PATH PORT [LITSERVE_CONFIG_JSON]``.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 from typing import Any
 
@@ -24,18 +26,19 @@ LITSERVE_SYSTEMS = ("litserve", "litserve-tuned")
 
 
 def litserve_config(system: str, max_batch_size: int, batch_timeout_s: float) -> dict[str, Any]:
-    """The LitServer, LitAPI and ``run`` settings of a LitServe system; the benchmark JSON records them.
+    """The settings of a LitServe system, every one spelled out so the benchmark JSON records them.
 
-    ``litserve`` is the docs' recommendation with the benchmark's shared batch size and delay.
-    ``litserve-tuned`` is the fastest on one core of what we tried (``mlscale bench serve`` with
-    ``--systems litserve,litserve-tuned``; see the README)."""
-    config: dict[str, Any] = {"api": "numpy", "max_batch_size": max_batch_size, "batch_timeout": batch_timeout_s,
-                              "workers_per_device": 1, "num_api_servers": 1, "api_server_worker_type": "process",
-                              "fast_queue": False, "timeout": 30, "frozen_gc": False, "uvicorn": {}}
-    if system == "litserve-tuned":
-        config.update({"api": "lists", "frozen_gc": True})
-    config.update(json.loads(os.environ.get("MLSCALE_LITSERVE_TRY", "{}")) if system == "litserve-tuned" else {})
-    return config
+    ``litserve`` is LitServe as its docs recommend, with the benchmark's shared batch size and delay.
+    ``litserve-tuned`` is the fastest on one core of what we tried: the same, with the garbage
+    collector's heap frozen after start-up (``freeze_gc``), as ``mlscale serve`` does. None of
+    LitServe's own knobs beat its defaults here: ``fast_queue`` does nothing in 0.2.19 (LitServe issue
+    #751) and with that fixed it was no faster; a second API server or inference worker only adds
+    processes to the core; ``batch_timeout=0`` busy-polls the queue and ``max_batch_size=1`` runs the
+    2048-wide MLP a row at a time; 2, 5 and 20 ms timeouts, untyped or orjson-encoded request and
+    response, no access log, a thread API server and ``timeout=False`` were no faster than these."""
+    return {"max_batch_size": max_batch_size, "batch_timeout": batch_timeout_s, "workers_per_device": 1,
+            "num_api_servers": 1, "api_server_worker_type": "process", "fast_queue": False, "timeout": 30,
+            "frozen_gc": system == "litserve-tuned"}
 
 
 def _session(path: str):
@@ -44,36 +47,19 @@ def _session(path: str):
     return onnx_session(path, threads=1)
 
 
-def _fix_fast_queue(server: Any) -> None:
-    """LitServe 0.2.19 drops ``fast_queue`` (LitServe issue #751) and wires ZeroMQ backwards; PR #752's fix."""
-    from litserve.transport import factory
-    from litserve.transport.zmq_transport import ZMQTransport
-
-    def create(config: Any) -> ZMQTransport:
-        broker = factory.Broker()
-        broker.start()
-        config.frontend_address, config.backend_address = broker.frontend_address, broker.backend_address
-        return ZMQTransport(backend_address=broker.backend_address, frontend_address=broker.frontend_address)
-
-    factory._create_zmq_transport = create
-    server.transport_config.transport_type = "zmq"
-
-
 def run_litserve(path: str, port: int, config: dict[str, Any]) -> None:
     import litserve as ls
 
-    from mlscale.bench.litserve_api import APIS, freeze_gc
+    from mlscale.bench.litserve_api import OnnxAPI, freeze_gc
 
-    api = APIS[config["api"]](path, max_batch_size=config["max_batch_size"], batch_timeout=config["batch_timeout"],
-                              frozen_gc=config["frozen_gc"])
+    api = OnnxAPI(path, max_batch_size=config["max_batch_size"], batch_timeout=config["batch_timeout"],
+                  frozen_gc=config["frozen_gc"])
     server = ls.LitServer(api, accelerator="cpu", workers_per_device=config["workers_per_device"],
                           fast_queue=config["fast_queue"], timeout=config["timeout"])
-    if config.get("fix_fast_queue"):
-        _fix_fast_queue(server)
     if config["frozen_gc"]:
         freeze_gc()  # before run() forks the Manager and the API server, which inherit the frozen heap
     server.run(port=port, log_level="warning", generate_client_file=False, num_api_servers=config["num_api_servers"],
-               api_server_worker_type=config["api_server_worker_type"], **config["uvicorn"])
+               api_server_worker_type=config["api_server_worker_type"])
 
 
 def run_fastapi(path: str, port: int) -> None:

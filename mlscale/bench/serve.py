@@ -7,7 +7,7 @@ then is bisected; goodput is the highest rate whose trial had p99 <= SLO, < 0.1%
 that kept up. Every trial is a point of the latency-throughput curve. The cache-hit check compares
 p50 of repeated identical requests to mlscale with a no-op JSON endpoint at the same rate; the
 overload check offers 2x mlscale's goodput and reports the p99 of the admitted requests. With the
-defaults (two models, four systems, three repeats) it takes about 25 minutes; ``--quick`` (digits
+defaults (two models, four systems, three repeats) it takes about 35 minutes; ``--quick`` (digits
 only, one repeat, short trials, goodput only) gives a first look in two or three.
 """
 
@@ -65,7 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_out_option(p, "serve")
     p.add_argument("--quick", action="store_true",
                    help="a first look in a few minutes: digits only, 1 repeat, 1.5 s trials, goodput only "
-                   "(the defaults take about 25 minutes)")
+                   "(the defaults take about 35 minutes)")
     p.add_argument("--slo-ms", type=float_above(0), default=50.0, help="p99 latency objective (default 50)")
     p.add_argument("--models", type=name_list(tuple(MODELS)), default=list(MODELS),
                    help=f"comma-separated, from {', '.join(MODELS)} (default all)")
