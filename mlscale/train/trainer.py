@@ -21,6 +21,7 @@ import torch
 
 from mlscale.config import TrainConfig
 from mlscale.data import Position, ShardLoader, steps_per_epoch
+from mlscale.errors import MlscaleError
 from mlscale.lineage import code_version, data_fingerprint
 from mlscale.rundir import RunDir
 from mlscale.tasks import make_task
@@ -121,7 +122,10 @@ class Trainer:
     def _restore(self) -> Position:
         found = self.checkpointer.load_latest()
         if found is None:
-            return Position()
+            if self.checkpointer.steps():  # checkpoints exist but none loads: never start over silently
+                raise MlscaleError(f"no checkpoint in {self.run_dir.checkpoints} loads (all "
+                                   f"{len(self.checkpointer.steps())} are damaged); the run cannot resume")
+            return Position()  # a failure before the first checkpoint: the run starts from step 0
         _, state = found
         self.strategy.unwrap(self.model).load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])

@@ -132,3 +132,13 @@ def test_a_run_directory_whose_job_failed_before_any_checkpoint_can_be_run_again
     assert failed.returncode == 1 and json.loads((run_dir / "report.json").read_text())["status"] == "failed"
     again = run_cli(*args, timeout=180)
     assert again.returncode == 0, again.stderr
+
+
+def test_resume_refuses_when_every_checkpoint_is_damaged_instead_of_starting_over(cnn_run, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(cnn_run, run_dir)
+    for path in (run_dir / "checkpoints").iterdir():
+        path.write_bytes(path.read_bytes()[:100])  # torn
+    result = run_cli("train", "--run-dir", str(run_dir), "--steps", "30", "--resume")
+    assert result.returncode == 1 and "all 2 are damaged" in result.stderr, result.stderr
+    assert json.loads((run_dir / "report.json").read_text())["steps"] == 20  # the run directory kept
