@@ -8,6 +8,12 @@ that we can still explain in one paragraph instead of a traceback.
 from __future__ import annotations
 
 
+def first_line(error: object) -> str:
+    """The first line of an error's text: drivers and libraries explain on several lines, and a
+    one-line message is what the CLI prints."""
+    return (str(error).strip().splitlines() or [""])[0]
+
+
 class MlscaleError(Exception):
     """A failure explained to the user in its message; the CLI prints it and exits 1."""
 

@@ -28,7 +28,7 @@ from sqlalchemy import Connection, create_engine, event, func, insert, make_url,
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import ArgumentError, IntegrityError, OperationalError, SQLAlchemyError
 
-from mlscale.errors import MlscaleError, UsageError
+from mlscale.errors import MlscaleError, UsageError, first_line
 from mlscale.registry import schema
 from mlscale.registry.artifacts import (
     OWNER_MARK,
@@ -171,11 +171,6 @@ def _identity(url: str) -> str:
         return url.split("@")[-1]
 
 
-def _first_line(error: object) -> str:
-    """Database drivers explain on several lines; a CLI error is one."""
-    return (str(error).strip().splitlines() or [""])[0]
-
-
 def _must_exist(db_path: Path, location: str, create: bool) -> None:
     if not create and not db_path.exists():
         raise NotFound(f"no registry at {location!r} (nothing was registered there; check --registry or "
@@ -198,7 +193,7 @@ class Registry:
             self._migrate()
         except OperationalError as exc:
             raise RegistryError(f"cannot reach the registry database {self._safe_url()}: "
-                                f"{_first_line(exc.orig)}") from None
+                                f"{first_line(exc.orig)}") from None
         except (SQLAlchemyError, ImportError, ValueError) as exc:
             raise RegistryError(f"cannot open the registry at {self._safe_url()}: {exc}") from None
 
@@ -221,7 +216,7 @@ class Registry:
             with self.engine.begin() as conn:
                 yield conn
         except OperationalError as exc:
-            raise RegistryError(f"registry database error at {self._safe_url()}: {_first_line(exc.orig)}") from None
+            raise RegistryError(f"registry database error at {self._safe_url()}: {first_line(exc.orig)}") from None
 
     # -- registering ---------------------------------------------------------------------------
     def create_version(self, name: str, files: dict[str, Path], *, config: dict[str, Any],

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mlscale.errors import first_line
 from mlscale.rundir import RunDir
 
 _RECORD = struct.Struct("<qd")  # completed steps, unix time
@@ -76,9 +77,9 @@ def record_failure(run_dir: RunDir, attempt: int, rank: int, exc: BaseException)
     beat = run_dir.path / "heartbeat" / f"attempt{attempt}-rank{rank}"
     data = beat.read_bytes() if beat.exists() else b""
     step = _RECORD.unpack(data[: _RECORD.size])[0] if len(data) >= _RECORD.size else None
-    first_line = (str(exc).strip().splitlines() or [""])[0][:300]
+    text = first_line(exc)[:300]
     record = {"run_id": launch_id(), "attempt": attempt, "rank": rank, "step": step, "time": time.time(),
-              "error": f"{type(exc).__name__}: {first_line}" if first_line else type(exc).__name__}
+              "error": f"{type(exc).__name__}: {text}" if text else type(exc).__name__}
     with failures_path(logs).open("a") as handle:
         handle.write(json.dumps(record) + "\n")
 
