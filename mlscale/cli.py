@@ -47,8 +47,19 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    "@mlscale.declare_task (package.module:factory) or an installed mlscale.tasks entry point")
     p.add_argument("--task-opt", action="append", type=_task_option, metavar="KEY=VALUE",
                    help="option passed to the task factory (repeatable), e.g. hidden=256")
-    p.add_argument("--workers", type=int, help="worker processes on this machine (default 1)")
-    p.add_argument("--strategy", help="parallel strategy (default ddp)")
+    p.add_argument("--workers", type=int, help="data-parallel workers: processes that read data and compute "
+                   "gradients (default 1)")
+    p.add_argument("--strategy", help="parallel strategy: ddp (default: all-reduce) or ps (parameter server)")
+    ps = p.add_argument_group("parameter server (--strategy ps)")
+    ps.add_argument("--sync", help="bsp (default: every step waits for all workers), ssp (bounded staleness) or "
+                    "async (every gradient applied as it arrives)")
+    ps.add_argument("--staleness", type=int, metavar="S",
+                    help="ssp: no worker runs more than S steps ahead of the slowest (default 3)")
+    ps.add_argument("--ps-servers", type=int, metavar="S",
+                    help="server processes holding the parameters, sharded by size (default 1); they come on top "
+                    "of --workers")
+    ps.add_argument("--backup-workers", type=int, metavar="B",
+                    help="bsp: a step applies the first workers-B gradients and drops the late ones (default 0)")
     length = p.add_mutually_exclusive_group()
     length.add_argument("--steps", type=int, help="optimizer steps to run")
     length.add_argument("--epochs", type=float, help="passes over the training data (default 10)")
@@ -71,7 +82,12 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    help="seconds a collective may wait for a peer before the job treats it as hung (default 300)")
     p.add_argument("--fault", action="append", metavar="SPEC", dest="faults",
                    help="inject a failure (repeatable): kill:rank=R:step=K, hang:rank=R:step=K, "
-                   "slow:rank=R:delay_ms=D, kill_during_checkpoint:step=K")
+                   "slow:rank=R:delay_ms=D (add :p=P to be slow on a fraction P of steps; rank=any: a random "
+                   "worker each step), kill_during_checkpoint:step=K")
+    p.add_argument("--straggler-threshold", type=float, metavar="X",
+                   help="flag a rank whose compute + data wait is X times the fastest rank's (default 1.5)")
+    p.add_argument("--simulated-compute-ms", type=float, metavar="MS",
+                   help="add MS of simulated compute to every step: benchmarks of the algorithms on few cores")
     p.add_argument("--log-every", type=int, metavar="K", help="metrics line every K steps (default 10)")
     p.add_argument("--register", metavar="NAME", help="register the final model under NAME when training ends")
     p.add_argument("--json", action="store_true", help="print report.json instead of the summary table")
@@ -88,7 +104,8 @@ def _train(args: argparse.Namespace) -> int:
     overrides = {key: getattr(args, key) for key in (
         "task", "workers", "strategy", "steps", "epochs", "batch_size", "lr", "optimizer", "seed", "dtype",
         "precision", "device", "run_dir", "resume", "checkpoint_every", "keep_checkpoints", "async_checkpoint",
-        "max_restarts", "collective_timeout_s", "faults", "log_every")}
+        "max_restarts", "collective_timeout_s", "faults", "log_every", "sync", "staleness", "ps_servers",
+        "backup_workers", "straggler_threshold", "simulated_compute_ms")}
     if args.task_opt:
         overrides["task_options"] = dict(args.task_opt)
     config = build_config(args.config, **overrides)

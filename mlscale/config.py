@@ -31,6 +31,11 @@ class TrainConfig(BaseModel):
     task_options: dict[str, Any] = Field(default_factory=dict)
     workers: int = Field(1, ge=1, description="worker processes on this machine")
     strategy: str = "ddp"
+    sync: Literal["bsp", "ssp", "async"] = Field(
+        "bsp", description="parameter server consistency: bulk synchronous, stale synchronous or asynchronous")
+    staleness: int = Field(3, ge=0, description="ssp: how many steps a worker may run ahead of the slowest")
+    ps_servers: int = Field(1, ge=1, description="parameter server processes (parameters sharded by size)")
+    backup_workers: int = Field(0, ge=0, description="bsp: apply the first workers-b gradients of a step")
     steps: int | None = Field(None, ge=1)
     epochs: float | None = Field(None, gt=0)
     batch_size: int = Field(32, ge=1, description="samples per worker per step")
@@ -54,6 +59,8 @@ class TrainConfig(BaseModel):
     log_every: int = Field(10, ge=1)
     collective_timeout_s: float = Field(300.0, gt=0)
     warmup_steps_for_throughput: int = Field(5, ge=0)
+    straggler_threshold: float = Field(1.5, gt=1, description="flag a rank this many times slower than the fastest")
+    simulated_compute_ms: float = Field(0.0, ge=0, description="benchmarks: a fixed extra compute time per step")
 
     @field_validator("faults")
     @classmethod

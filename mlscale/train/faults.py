@@ -3,6 +3,9 @@
 - ``kill:rank=R:step=K``: worker R kills itself with SIGKILL when it reaches step K.
 - ``hang:rank=R:step=K``: worker R stops responding at step K (sleeps forever).
 - ``slow:rank=R:delay_ms=D``: worker R is D milliseconds slower on every step (a straggler).
+  ``slow:rank=R:delay_ms=D:p=P`` is slow on a random fraction P of its steps only (a transient
+  straggler); ``rank=any`` makes one random data rank slow each step. The draws depend on the seed
+  and the step alone, so every rank agrees which rank is slow at which step.
 - ``kill_during_checkpoint:step=K``: the checkpoint writer dies halfway through writing the
   checkpoint of step K (the temporary file is left torn, never renamed).
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import time
 from dataclasses import asdict, dataclass
@@ -22,10 +26,12 @@ from pathlib import Path
 
 from mlscale.errors import UsageError
 
+_OPTIONAL = {"p"}
+ANY_RANK = -1  # rank=any
 _FIELDS = {
     "kill": ("rank", "step"),
     "hang": ("rank", "step"),
-    "slow": ("rank", "delay_ms"),
+    "slow": ("rank", "delay_ms", "p"),
     "kill_during_checkpoint": ("step",),
 }
 
@@ -36,39 +42,66 @@ class Fault:
     rank: int = 0
     step: int = 0
     delay_ms: float = 0.0
+    p: float = 1.0  # the fraction of steps a slow fault is slow on
 
 
 def parse_fault(spec: str) -> Fault:
     kind, *parts = spec.split(":")
     if kind not in _FIELDS:
         raise UsageError(f"bad value fault={spec!r}: kind must be one of {', '.join(_FIELDS)}")
-    expected = f"{kind}:" + ":".join(f"{f}=N" for f in _FIELDS[kind])
+    expected = f"{kind}:" + ":".join(f"{f}=N" for f in _FIELDS[kind] if f not in _OPTIONAL)
     values: dict[str, float] = {}
     for part in parts:
         key, sep, raw = part.partition("=")
         if not sep or key not in _FIELDS[kind]:
             raise UsageError(f"bad value fault={spec!r}: expected {expected}")
-        try:
-            values[key] = float(raw)
-        except ValueError:
-            raise UsageError(f"bad value fault={spec!r}: {key} must be a number") from None
-    missing = [field for field in _FIELDS[kind] if field not in values]
+        values[key] = _number(spec, key, raw, kind)
+    missing = [field for field in _FIELDS[kind] if field not in values and field not in _OPTIONAL]
     if missing:
         raise UsageError(f"bad value fault={spec!r}: missing {', '.join(missing)}")
     return Fault(kind=kind, rank=int(values.get("rank", 0)), step=int(values.get("step", 0)),
-                 delay_ms=values.get("delay_ms", 0.0))
+                 delay_ms=values.get("delay_ms", 0.0), p=values.get("p", 1.0))
+
+
+def _number(spec: str, key: str, raw: str, kind: str) -> float:
+    if key == "rank" and raw == "any" and kind == "slow":
+        return ANY_RANK
+    try:
+        value = float(raw)
+    except ValueError:
+        raise UsageError(f"bad value fault={spec!r}: {key} must be a number"
+                         + (" or 'any'" if key == "rank" and kind == "slow" else "")) from None
+    if key == "p" and not 0 < value <= 1:
+        raise UsageError(f"bad value fault={spec!r}: p must be in (0, 1]")
+    if value < 0:
+        raise UsageError(f"bad value fault={spec!r}: {key} must not be negative")
+    return value
 
 
 class FaultInjector:
     """Applies the faults aimed at this rank; does nothing when there are none."""
 
-    def __init__(self, specs: list[str], rank: int, first_attempt: bool, log_path: Path | None = None) -> None:
+    def __init__(self, specs: list[str], rank: int, first_attempt: bool, log_path: Path | None = None,
+                 data_ranks: list[int] | None = None, seed: int = 0) -> None:
         faults = [parse_fault(spec) for spec in specs]
         once = [f for f in faults if first_attempt and f.kind != "slow"]
         self._kill = {f.step: f for f in once if f.kind in ("kill", "hang") and f.rank == rank}
         self._checkpoint_kill = {f.step: f for f in once if f.kind == "kill_during_checkpoint"}
-        self._delay_s = sum(f.delay_ms for f in faults if f.kind == "slow" and f.rank == rank) / 1000.0
-        self.rank, self.log_path = rank, log_path
+        self._slow = [f for f in faults if f.kind == "slow" and f.rank in (rank, ANY_RANK)]
+        self._data_ranks = data_ranks if data_ranks is not None else [rank]
+        self.rank, self.log_path, self.seed = rank, log_path, seed
+
+    def delay_s(self, step: int) -> float:
+        """How much slower this rank is at ``step``: the same answer on every rank for every step."""
+        total = 0.0
+        for index, fault in enumerate(self._slow):
+            draw = random.Random(f"{self.seed}:{index}:{step}")
+            if fault.rank == ANY_RANK and draw.choice(self._data_ranks) != self.rank:
+                continue
+            if fault.p < 1.0 and draw.random() >= fault.p:
+                continue
+            total += fault.delay_ms / 1000.0
+        return total
 
     def _record(self, fault: Fault) -> None:
         if self.log_path is None:
@@ -89,8 +122,9 @@ class FaultInjector:
                 os.kill(os.getpid(), signal.SIGKILL)
             while True:  # hang: alive, holding its sockets, never answering
                 time.sleep(3600)
-        if self._delay_s:
-            time.sleep(self._delay_s)
+        delay = self.delay_s(step) if self._slow else 0.0
+        if delay:
+            time.sleep(delay)
 
     def during_checkpoint_write(self, step: int, partial_file: Path) -> None:
         """Called by the checkpoint writer after the data is written, before the rename."""

@@ -45,9 +45,10 @@ def fit(config: TrainConfig) -> dict[str, Any]:
         # Under torchrun every rank does this; rank 0 rewrites config.json atomically with the same
         # merge, so a rank reading it before or after the rewrite gets the same configuration.
         config = resumed_config(config)
-    strategy_class(config.strategy)
+    strategy = strategy_class(config.strategy)
     task = make_task(config.task, config.task_options)  # fail fast, with exit 2, on a bad task
-    world = int(os.environ.get("WORLD_SIZE", config.workers)) if under_launcher() else config.workers
+    world = int(os.environ["WORLD_SIZE"]) if under_launcher() and "WORLD_SIZE" in os.environ \
+        else strategy.world_size(config)
     check_job(config, len(task.train), world)
     if config.run_dir is None:
         config = config.model_copy(update={"run_dir": default_run_dir(config.task)})
@@ -57,9 +58,9 @@ def fit(config: TrainConfig) -> dict[str, Any]:
         return _run_here(config, run_dir, rank=int(os.environ.get("RANK", 0)))
     with _unchanged_unless_it_trains(run_dir):
         _prepare(config, run_dir)
-        if config.workers == 1:
+        if world == 1:
             return _run_here(config, run_dir, rank=0)
-        _launch_local(config, run_dir)
+        _launch_local(config, run_dir, world)
     return run_dir.read_report()
 
 
@@ -100,14 +101,17 @@ def check_job(config: TrainConfig, train_size: int, world: int) -> None:
     exit 2 here, not a worker's traceback later."""
     import torch
 
-    if steps_per_epoch(train_size, world, config.batch_size) == 0:
-        raise UsageError(f"bad value batch-size={config.batch_size}: {config.batch_size} per worker x {world} "
+    strategy = strategy_class(config.strategy)
+    strategy.check(config, world)
+    workers = len(strategy.data_ranks(config, world))
+    if steps_per_epoch(train_size, workers, config.batch_size) == 0:
+        raise UsageError(f"bad value batch-size={config.batch_size}: {config.batch_size} per worker x {workers} "
                          f"worker(s) is more than the {train_size:,} training samples of task {config.task!r}")
     for spec in config.faults:
         fault = parse_fault(spec)
         if fault.kind != "kill_during_checkpoint" and fault.rank >= world:
-            raise UsageError(f"bad value fault={spec!r}: rank {fault.rank} does not exist with {world} worker(s) "
-                             f"(ranks 0..{world - 1})")
+            raise UsageError(f"bad value fault={spec!r}: rank {fault.rank} does not exist with {world} "
+                             f"process(es) (ranks 0..{world - 1})")
     if config.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("bad value device='cuda': no CUDA device is available here (torch "
                          f"{torch.__version__}); use --device cpu or auto")
@@ -146,7 +150,7 @@ def _run_here(config: TrainConfig, run_dir: RunDir, rank: int) -> dict[str, Any]
                            f"  traceback: {path}", rank=rank) from None
 
 
-def _launch_local(config: TrainConfig, run_dir: RunDir) -> None:
+def _launch_local(config: TrainConfig, run_dir: RunDir, world: int) -> None:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -155,7 +159,7 @@ def _launch_local(config: TrainConfig, run_dir: RunDir) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     launch = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=config.workers,
+        min_nodes=1, max_nodes=1, nproc_per_node=world,
         run_id=f"mlscale-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", rdzv_configs={"timeout": 120},
         max_restarts=config.max_restarts, monitor_interval=0.1, start_method="spawn",
@@ -235,7 +239,8 @@ def _terminated_by_agent(failure: Any) -> bool:
 
 def _write_failed_report(config: TrainConfig, run_dir: RunDir, rank: int, message: str) -> None:
     run_dir.write_report({
-        "status": "failed", "task": config.task, "strategy": config.strategy, "world_size": config.workers,
+        "status": "failed", "task": config.task, "strategy": config.strategy,
+        "world_size": strategy_class(config.strategy).world_size(config), "workers": config.workers,
         "error": {"rank": rank, "message": message},
         "restarts": config.max_restarts,
         "wall_s": time.time() - float(os.environ.get(JOB_START_ENV, time.time())),

@@ -22,17 +22,22 @@ class Progress:
         self._t0 = time.perf_counter()
         self._last_line = start
 
-    def update(self, step: int, loss: float, samples_per_s: float) -> None:
+    def update(self, step: int, loss: float, samples_per_s: float, extra: str = "") -> None:
+        """``extra``: a short live note (the stragglers flagged now), shown after the figures."""
         if self._bar is not None:
             self._bar.n = step
-            self._bar.set_postfix(loss=f"{loss:.4f}", samples_s=f"{samples_per_s:,.0f}", refresh=True)
+            postfix = {"loss": f"{loss:.4f}", "samples_s": f"{samples_per_s:,.0f}"}
+            if extra:
+                postfix["note"] = extra
+            self._bar.set_postfix(postfix, refresh=True)
             return
         if step - self._last_line >= self._every or step == self.total:
             self._last_line = step
             done = step - self.start
             elapsed = time.perf_counter() - self._t0
             eta = elapsed / done * (self.total - step) if done else 0.0
-            print(f"step {step}/{self.total}  loss {loss:.4f}  {samples_per_s:,.0f} samples/s  ETA {eta:.0f}s",
+            note = f"  {extra}" if extra else ""
+            print(f"step {step}/{self.total}  loss {loss:.4f}  {samples_per_s:,.0f} samples/s  ETA {eta:.0f}s{note}",
                   file=self.stream, flush=True)
 
     def note(self, text: str) -> None:

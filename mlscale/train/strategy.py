@@ -1,35 +1,189 @@
-"""The strategy interface: how a model is spread over workers and how workers talk.
+"""The strategy interface: how a model is spread over processes, who does what, and how they talk.
 
-The trainer calls only these methods and never asks which strategy it runs. A strategy wraps the plain
-model for training, gives the plain model back for saving, and reports its communication time.
+The trainer owns the loop, the data, checkpoints and metrics; a strategy owns one training step. The
+trainer calls only what is here and never asks which strategy runs. A strategy may give ranks different
+roles: ranks that read data and compute gradients (every rank under ddp; the workers of a parameter
+server), and ranks that read none (the servers). Only ranks that *keep records* take part in logs,
+checkpoints and the report, and the strategy says how their records are shared.
 """
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
+import torch
 from torch import nn
 
+from mlscale.config import TrainConfig
+from mlscale.data import Position
 from mlscale.train.dist import DistEnv
 from mlscale.train.timing import CommTimer
+
+TIMING_KEYS = ("step_ms", "compute_ms", "comm_ms", "comm_exposed_ms", "data_wait_ms")
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One step's input on a data rank, with what the trainer measured before handing it over."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    position: Position  # the loader's position after this batch: where a resume goes on from
+    started: float  # perf_counter() when the step began (before the batch was loaded)
+    data_ms: float  # time spent waiting for the batch
+
+
+@dataclass
+class StepRow:
+    """One data rank's step, measured by that rank: its loss and where its time went."""
+
+    rank: int
+    loss: float | torch.Tensor  # a tensor stays on the device until a log line needs it
+    step_ms: float
+    compute_ms: float
+    comm_ms: float
+    comm_exposed_ms: float
+    data_wait_ms: float
+
+    def timings(self) -> tuple[float, ...]:
+        return tuple(getattr(self, key) for key in TIMING_KEYS)
+
+    @property
+    def own_ms(self) -> float:
+        """Time this rank spent on its own work (compute and data wait): what tells a straggler."""
+        return self.compute_ms + self.data_wait_ms
+
+
+@dataclass
+class StepResult:
+    """What one call of ``Strategy.step`` did, as far as this rank knows."""
+
+    step: int  # global steps (model updates) completed so far
+    done: bool  # training has reached its end
+    samples: int = 0  # samples whose gradients the completed global step(s) applied
+    rows: list[StepRow] = field(default_factory=list)  # steps measured, of this or other ranks
+    positions: dict[int, Position] = field(default_factory=dict)  # data shard -> position, as applied
+
+
+@dataclass
+class Learner:
+    """The update rule for a set of parameters: optimizer, LR schedule, loss scaler, autocast."""
+
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    precision: str
+    device_type: str
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.precision == "fp32":
+            return contextlib.nullcontext()
+        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
+        return torch.autocast(self.device_type, dtype=dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scaler.scale(loss).backward()
+
+    def apply(self) -> None:
+        """Step the optimizer on the gradients in ``.grad``, then the scaler and the schedule."""
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.scheduler.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "scaler": self.scaler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+
+
+MakeLearner = Callable[[Iterable[nn.Parameter]], Learner]
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What a strategy is given once, before the first step."""
+
+    model: nn.Module  # the plain model, built with the same seed on every rank
+    make_learner: MakeLearner
+    loss_fn: LossFn
+    total_steps: int
+    start_step: int
+    global_batch: int
 
 
 class Strategy(ABC):
     name: ClassVar[str]
 
-    def __init__(self, env: DistEnv) -> None:
-        self.env = env
+    def __init__(self, env: DistEnv, config: TrainConfig) -> None:
+        self.env, self.config = env, config
         self.comm = CommTimer()
 
+    # -- layout (also asked before any process starts) ---------------------------------------------
+    @classmethod
+    def world_size(cls, config: TrainConfig) -> int:
+        """Processes the job needs for ``config.workers`` data-parallel workers."""
+        return config.workers
+
+    @classmethod
+    def data_ranks(cls, config: TrainConfig, world: int) -> list[int]:
+        """The ranks that read data and compute gradients, in data-shard order."""
+        return list(range(world))
+
+    @classmethod
+    def check(cls, config: TrainConfig, world: int) -> None:
+        """Refuse, with a ``UsageError``, options this strategy cannot honour."""
+        return None
+
+    @property
+    def keeps_records(self) -> bool:
+        """Whether this rank takes part in logs, checkpoints and the report."""
+        return True
+
+    # -- the step ----------------------------------------------------------------------------------
     @abstractmethod
-    def wrap(self, model: nn.Module) -> nn.Module:
-        """The module the trainer runs forward and backward through."""
+    def setup(self, setup: Setup) -> None:
+        """Place the model and build its update rule(s)."""
 
     @abstractmethod
-    def unwrap(self, module: nn.Module) -> nn.Module:
-        """The plain model inside ``module`` (no wrapper prefixes in its state dict)."""
+    def step(self, batch: Batch | None) -> StepResult:
+        """One step: a batch on data ranks, ``None`` on ranks that read no data."""
 
-    def comm_times(self, backward_end: float) -> tuple[float, float]:
-        """(busy_ms, exposed_ms) of this step's communication; see ``CommTimer``."""
-        return self.comm.take(backward_end)
+    # -- records (called on record-keeping ranks only, all of them together) -----------------------
+    @abstractmethod
+    def lr(self) -> float:
+        """The learning rate the latest update used."""
+
+    @abstractmethod
+    def share(self, rows: list[list[float]]) -> list[list[float]]:
+        """Every record keeper's rows of floats, in rank order (a collective among record keepers)."""
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any] | None:
+        """The full training state (``model``, ``optimizer``, ``scheduler``, ``scaler``, ``rng``) in the
+        form of an unsplit model, on rank 0; ``None`` elsewhere. A collective among record keepers."""
+
+    @abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take this rank's part of a state written by ``state_dict`` (on every rank)."""
+
+    @abstractmethod
+    def full_model(self) -> nn.Module | None:
+        """The plain trained model on rank 0 (``None`` elsewhere). A collective among record keepers."""
+
+    def report(self) -> dict[str, Any]:
+        """Strategy-specific fields for ``report.json`` (rank 0)."""
+        return {}
+
+    def close(self) -> None:
+        """Called once on every rank when training has ended."""
+        return None

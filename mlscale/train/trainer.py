@@ -7,7 +7,6 @@ communication the backward pass did not hide); the strategy measures communicati
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import random
@@ -25,17 +24,17 @@ from mlscale.errors import MlscaleError
 from mlscale.lineage import code_version, data_fingerprint
 from mlscale.rundir import RunDir
 from mlscale.tasks import make_task
-from mlscale.train.checkpoint import Checkpointer, capture_rng, restore_rng
-from mlscale.train.dist import DistEnv, all_gather_floats, all_gather_objects
+from mlscale.train.checkpoint import Checkpointer
+from mlscale.train.dist import DistEnv
 from mlscale.train.faults import FaultInjector
 from mlscale.train.progress import Progress
 from mlscale.train.recovery import Heartbeat, RecoveryTracker, recovery_summary
-from mlscale.train.stragglers import flag_stragglers
+from mlscale.train.stragglers import StragglerDetector
 from mlscale.train.strategies import strategy_class
+from mlscale.train.strategy import TIMING_KEYS, Batch, Learner, Setup, StepResult, StepRow
 from mlscale.train.timing import median, now
 
 JOB_START_ENV = "MLSCALE_JOB_START"
-TIMING_KEYS = ("step_ms", "compute_ms", "comm_ms", "comm_exposed_ms", "data_wait_ms")
 
 
 def total_steps(config: TrainConfig, train_size: int, world: int) -> int:
@@ -70,8 +69,19 @@ class _Window:
     """What happened since the last log line."""
 
     start: float = field(default_factory=now)
-    losses: list[torch.Tensor] = field(default_factory=list)
-    timings: list[tuple[float, ...]] = field(default_factory=list)
+    rows: list[StepRow] = field(default_factory=list)
+    samples: int = 0
+
+
+def by_rank(rows: list[StepRow]) -> dict[int, list[StepRow]]:
+    grouped: dict[int, list[StepRow]] = {}
+    for row in rows:
+        grouped.setdefault(row.rank, []).append(row)
+    return grouped
+
+
+def timing_medians(rows: list[StepRow]) -> list[float]:
+    return [median(row.timings()[i] for row in rows) for i in range(len(TIMING_KEYS))]
 
 
 class Trainer:
@@ -80,130 +90,128 @@ class Trainer:
         self.task = make_task(config.task, config.task_options)
         self.dtype = getattr(torch, config.dtype)
         self.train_data = self.task.train.to(self.dtype)
-        self.strategy = strategy_class(config.strategy)(env)
+        strategy_type = strategy_class(config.strategy)
+        data_ranks = strategy_type.data_ranks(config, env.world_size)
+        self.shard = data_ranks.index(env.rank) if env.rank in data_ranks else None  # None: reads no data
+        self.shards = len(data_ranks)
+        self.strategy = strategy_type(env, config)
         self.faults = FaultInjector(config.faults, env.rank, first_attempt=env.attempt == 0 and not config.resume,
-                                    log_path=run_dir.logs / "faults.jsonl")
-
-        torch.manual_seed(config.seed)  # the same initial weights on every rank
-        model = self.task.build_model().to(dtype=self.dtype, device=env.device)
-        self._seed_rank_rngs()
-        self.model = self.strategy.wrap(model)
-        self.optimizer = build_optimizer(config, self.model.parameters())
-        self.total_steps = total_steps(config, len(self.train_data), env.world_size)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_factor(config, self.total_steps))
-        self.scaler = torch.amp.GradScaler(env.device.type, enabled=config.precision == "fp16")
+                                    log_path=run_dir.logs / "faults.jsonl", data_ranks=data_ranks, seed=config.seed)
+        self.total_steps = total_steps(config, len(self.train_data), self.shards)
+        self.global_batch = config.batch_size * self.shards
         self.checkpointer = Checkpointer(run_dir.checkpoints, keep=config.keep_checkpoints,
                                          async_save=config.async_checkpoint,
                                          write_hook=self.faults.during_checkpoint_write)
         self.checkpoint_stalls_ms: list[float] = []
+        self.stragglers = StragglerDetector(threshold=config.straggler_threshold)
 
-        self.step, self.samples_seen, position = 0, 0, Position()
+        self.step, self.samples_seen = 0, 0
+        self.positions = {shard: Position() for shard in range(self.shards)}
         self.resumed_from: int | None = None
         self.resumed_world_size: int | None = None
-        if config.resume or env.attempt > 0:
-            position = self._restore()
+        state = self._latest_state() if config.resume or env.attempt > 0 else None
+        if state is not None:
+            self.step = state["step"]
+        torch.manual_seed(config.seed)  # the same initial weights on every rank
+        model = self.task.build_model().to(dtype=self.dtype, device=env.device)
+        self._seed_rank_rngs()
+        self.strategy.setup(Setup(model=model, make_learner=self._make_learner, loss_fn=self.task.loss_fn,
+                                  total_steps=self.total_steps, start_step=self.step, global_batch=self.global_batch))
+        if state is not None:
+            self._restore(state)
         self.heartbeat = Heartbeat(run_dir.path / "heartbeat", env.attempt, env.rank)
         self.recovery: RecoveryTracker | None = None
         self.progress: Progress | None = None
         if env.attempt > 0 and env.is_main:
             self.recovery = RecoveryTracker(run_dir.path, run_dir.path / "heartbeat", run_dir.logs / "faults.jsonl",
                                             attempt=env.attempt, resumed_from=self.step)
-        self.loader = ShardLoader(self.train_data, rank=env.rank, world=env.world_size,
-                                  batch_size=config.batch_size, seed=config.seed, position=position)
-        self.global_batch = config.batch_size * env.world_size
+        self.loader = None if self.shard is None else ShardLoader(
+            self.train_data, rank=self.shard, world=self.shards, batch_size=config.batch_size, seed=config.seed,
+            position=self.positions[self.shard])
 
     # -- state --------------------------------------------------------------------------------
+    def _make_learner(self, params: Any) -> Learner:
+        """The update rule a strategy applies to the parameters it updates (all of them, or a shard)."""
+        optimizer = build_optimizer(self.config, params)
+        return Learner(optimizer=optimizer,
+                       scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(self.config, self.total_steps)),
+                       scaler=torch.amp.GradScaler(self.env.device.type, enabled=self.config.precision == "fp16"),
+                       precision=self.config.precision, device_type=self.env.device.type)
+
     def _seed_rank_rngs(self) -> None:
         seed = self.config.seed * 1000 + self.env.rank + 1
         torch.manual_seed(seed)
         random.seed(seed)
         np.random.seed(seed % 2**32)
 
-    def _restore(self) -> Position:
+    def _latest_state(self) -> dict[str, Any] | None:
         found = self.checkpointer.load_latest()
         if found is None:
             if self.checkpointer.steps():  # checkpoints exist but none loads: never start over silently
                 raise MlscaleError(f"no checkpoint in {self.run_dir.checkpoints} loads (all "
                                    f"{len(self.checkpointer.steps())} are damaged); the run cannot resume")
-            return Position()  # a failure before the first checkpoint: the run starts from step 0
-        _, state = found
-        self.strategy.unwrap(self.model).load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.scaler.load_state_dict(state["scaler"])
-        rngs = state["rng"]
-        if len(rngs) == self.env.world_size:
-            restore_rng(rngs[self.env.rank])
-        self.step, self.samples_seen = state["step"], state["samples_seen"]
+            return None  # a failure before the first checkpoint: the run starts from step 0
+        return found[1]
+
+    def _restore(self, state: dict[str, Any]) -> None:
+        self.strategy.load_state_dict(state)
+        self.samples_seen = state["samples_seen"]
         self.resumed_from, self.resumed_world_size = self.step, state["world_size"]
+        saved = state.get("positions")
+        if saved is not None and len(saved) == self.shards:
+            self.positions = {shard: Position(**where) for shard, where in enumerate(saved)}
+        else:  # the same position on every shard, as data parallelism leaves it
+            self.positions = {shard: Position(**state["position"]) for shard in range(self.shards)}
         old_batch = state.get("global_batch", self.config.batch_size * state["world_size"])
-        if self.env.is_main and old_batch != self.config.batch_size * self.env.world_size:
-            print(f"mlscale: resuming step {self.step} of a {state['world_size']}-worker run on "
-                  f"{self.env.world_size}: global batch {old_batch} -> {self.config.batch_size * self.env.world_size}"
-                  f" (--batch-size {old_batch // self.env.world_size} keeps it)", file=sys.stderr)
-        return Position(**state["position"])
+        if self.env.is_main and old_batch != self.global_batch:
+            old_workers = state.get("workers", state["world_size"])
+            print(f"mlscale: resuming step {self.step} of a {old_workers}-worker run on "
+                  f"{self.shards}: global batch {old_batch} -> {self.global_batch}"
+                  f" (--batch-size {old_batch // self.shards} keeps it)", file=sys.stderr)
 
     def _checkpoint(self, final: bool = False) -> None:
         """Save a checkpoint; the time the training thread was held goes into the stall statistics
         (not for the final one, after which there is no training left to stall)."""
         start = now()
-        rngs = all_gather_objects(self.env, capture_rng())
-        if not self.env.is_main:
+        state = self.strategy.state_dict()
+        if state is None:
             return
-        self._save_checkpoint(rngs)
+        self.checkpointer.save(self.step, {
+            **state,
+            "step": self.step,
+            "samples_seen": self.samples_seen,
+            "position": self.positions[0].as_dict(),
+            "positions": [self.positions[shard].as_dict() for shard in range(self.shards)],
+            "world_size": self.env.world_size,
+            "workers": self.shards,
+            "global_batch": self.global_batch,
+        })
         if not final:
             self.checkpoint_stalls_ms.append((now() - start) * 1e3)
 
-    def _save_checkpoint(self, rngs: list[object]) -> None:
-        self.checkpointer.save(self.step, {
-            "step": self.step,
-            "samples_seen": self.samples_seen,
-            "position": self.loader.position.as_dict(),
-            "world_size": self.env.world_size,
-            "global_batch": self.global_batch,
-            "model": self.strategy.unwrap(self.model).state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "scaler": self.scaler.state_dict(),
-            "rng": rngs,
-        })
-
     # -- the loop -----------------------------------------------------------------------------
-    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        if self.config.precision == "fp32":
-            return contextlib.nullcontext()
-        dtype = torch.bfloat16 if self.config.precision == "bf16" else torch.float16
-        return torch.autocast(self.env.device.type, dtype=dtype)
-
-    def _train_step(self, window: _Window) -> None:
-        device = self.env.device
+    def _next_batch(self) -> Batch | None:
         start = now()
+        if self.loader is None:
+            return None
         inputs, targets = next(self.loader)
-        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-        data_end = now()
+        return Batch(inputs, targets, self.loader.position, start, (now() - start) * 1e3)
+
+    def _train_step(self) -> StepResult:
+        batch = self._next_batch()
         self.faults.before_step(self.step + 1)
-        with self._autocast():
-            loss = self.task.loss_fn(self.model(inputs), targets)
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scaler.scale(loss).backward()
-        backward_end = now()
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.scheduler.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        end = now()
-        comm_ms, exposed_ms = self.strategy.comm_times(backward_end)
-        data_ms, step_ms = (data_end - start) * 1e3, (end - start) * 1e3
-        window.losses.append(loss.detach())
-        window.timings.append((step_ms, step_ms - data_ms - exposed_ms, comm_ms, exposed_ms, data_ms))
-        self.step += 1
-        self.samples_seen += self.global_batch
+        if batch is not None and self.config.simulated_compute_ms:
+            time.sleep(self.config.simulated_compute_ms / 1e3)
+        result = self.strategy.step(batch)
+        self.step = result.step
+        self.samples_seen += result.samples
+        self.positions.update(result.positions)
         self.heartbeat.beat(self.step)
         if self.recovery is not None:
             event = self.recovery.first_step_done()
             self._say(self.recovery.resumed_notice(event))
             self.recovery = None
+        return result
 
     def _say(self, text: str) -> None:
         """A console line from rank 0 (above the progress bar when there is one)."""
@@ -212,32 +220,40 @@ class Trainer:
         elif self.env.is_main:
             print(text, file=sys.stderr, flush=True)
 
-    def _log(self, window: _Window, progress: Progress | None) -> float:
-        """Gather loss and timings from all ranks; rank 0 writes a metrics line. Returns the loss."""
-        medians = [median(t[i] for t in window.timings) for i in range(len(TIMING_KEYS))]
-        last_loss = window.losses[-1].float().item()
-        mean_loss = torch.stack(window.losses).float().mean().item()
-        rows = all_gather_floats(self.env, [mean_loss, last_loss, *medians])
-        elapsed = now() - window.start
-        loss = sum(r[0] for r in rows) / len(rows)
+    def _log(self, window: _Window) -> float:
+        """Share loss and timings among record keepers; rank 0 writes a metrics line. Returns the loss."""
+        summaries = []
+        for rank, rows in sorted(by_rank(window.rows).items()):
+            losses = torch.stack([torch.as_tensor(row.loss, dtype=torch.float64) for row in rows]).double()
+            summaries.append([rank, losses.mean().item(), losses[-1].item(), *timing_medians(rows),
+                              *(row.own_ms for row in rows)])
+        shared = self.strategy.share(summaries)
+        if not shared:
+            return float("nan")
+        fixed = 3 + len(TIMING_KEYS)
+        flagged = self.stragglers.observe(self.step, {int(r[0]): r[fixed:] for r in shared})
+        loss = sum(r[1] for r in shared) / len(shared)
         if self.env.is_main:
-            samples_per_s = len(window.timings) * self.global_batch / elapsed
+            samples_per_s = window.samples / (now() - window.start)
             self.run_dir.append_metrics({
                 "step": self.step,
-                "epoch": self.loader.position.epoch,
+                "epoch": self.positions[0].epoch,
                 "loss": loss,
-                "lr": self.scheduler.get_last_lr()[0],
+                "lr": self.strategy.lr(),
                 "samples_per_s": samples_per_s,
                 "time": time.time(),
-                "per_rank": [{"rank": rank, **dict(zip(TIMING_KEYS, row[2:]))} for rank, row in enumerate(rows)],
+                "per_rank": [{"rank": int(r[0]), **dict(zip(TIMING_KEYS, r[3:fixed])),
+                              "straggler_score": round(self.stragglers.scores.get(int(r[0]), 1.0), 3)}
+                             for r in shared],
+                "stragglers": flagged,
             })
-            if progress is not None:
-                progress.update(self.step, loss, samples_per_s)
-        return sum(r[1] for r in rows) / len(rows)
+            if self.progress is not None:
+                self.progress.update(self.step, loss, samples_per_s, self.stragglers.describe_now())
+        return sum(r[2] for r in shared) / len(shared)
 
     def run(self) -> dict[str, Any]:
-        """Train to ``total_steps``, checkpoint, evaluate, and (rank 0) write the report."""
-        config = self.config
+        """Train to the end, checkpoint, evaluate, and (rank 0) write the report."""
+        config, records = self.config, self.strategy.keeps_records
         progress = self.progress = Progress(self.total_steps, self.step) if self.env.is_main else None
         if self.recovery is not None:
             self._say(self.recovery.restart_notice(config.max_restarts))
@@ -245,32 +261,40 @@ class Trainer:
         warm = min(config.warmup_steps_for_throughput, max(0, self.total_steps - self.step - 1))
         start_step = self.step
         measure_from = (now(), self.step) if warm == 0 else None
-        all_timings: list[tuple[float, ...]] = []
-        window, final_loss = _Window(), float("nan")
+        measured_rows: list[StepRow] = []
+        measured_samples = 0
+        window, final_loss, done = _Window(), float("nan"), self.step >= self.total_steps
         try:
-            while self.step < self.total_steps:
-                self._train_step(window)
+            while not done:
+                result = self._train_step()
+                done = result.done
+                if not records:
+                    continue
+                window.rows.extend(result.rows)
+                window.samples += result.samples
                 if measure_from is not None:
-                    all_timings.append(window.timings[-1])
-                elif self.step - start_step == warm:
+                    measured_rows.extend(result.rows)
+                    measured_samples += result.samples
+                elif self.step - start_step >= warm:
                     measure_from = (now(), self.step)
-                if self.step % config.log_every == 0 or self.step == self.total_steps:
-                    final_loss = self._log(window, progress)
+                if self.step % config.log_every == 0 or done:
+                    final_loss = self._log(window)
                     window = _Window()
                 if config.checkpoint_every and self.step % config.checkpoint_every == 0:
-                    self._checkpoint(final=self.step == self.total_steps)
+                    self._checkpoint(final=done)
         finally:
             if progress is not None:
                 progress.close()
-        if not config.checkpoint_every or self.step % config.checkpoint_every:
+        if records and (not config.checkpoint_every or self.step % config.checkpoint_every):
             self._checkpoint(final=True)
         self.checkpointer.wait()
         self.heartbeat.close()
-        return self._finish(final_loss, all_timings, measure_from)
+        report = self._finish(final_loss, measured_rows, measured_samples, measure_from) if records else {}
+        self.strategy.close()
+        return report
 
     # -- the end ------------------------------------------------------------------------------
-    def evaluate(self) -> dict[str, float]:
-        model = self.strategy.unwrap(self.model)
+    def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
         data = self.task.eval.to(self.dtype)
         model.eval()
         with torch.no_grad():
@@ -279,30 +303,31 @@ class Trainer:
         model.train()
         return self.task.metrics_fn(outputs, data.targets)
 
-    def _finish(self, final_loss: float, timings: list[tuple[float, ...]],
+    def _finish(self, final_loss: float, rows: list[StepRow], samples: int,
                 measure_from: tuple[float, int] | None) -> dict[str, Any]:
         end = now()
-        medians = [median(t[i] for t in timings) for i in range(len(TIMING_KEYS))]
-        rows = all_gather_floats(self.env, medians)
-        per_rank = [{"rank": rank, **{f"{key}_p50": value for key, value in zip(TIMING_KEYS, row)}}
-                    for rank, row in enumerate(rows)]
-        if not self.env.is_main:
+        grouped = by_rank(rows)
+        shared = self.strategy.share([[rank, *timing_medians(grouped[rank])] for rank in sorted(grouped)]
+                                     or ([[self.env.rank, *timing_medians([])]] if self.shard is not None else []))
+        per_rank = [{"rank": int(r[0]), **{f"{key}_p50": value for key, value in zip(TIMING_KEYS, r[1:])}}
+                    for r in shared]
+        model = self.strategy.full_model()
+        if model is None:
             return {}
-        measured_steps = self.step - measure_from[1] if measure_from else 0
-        samples_per_s = measured_steps * self.global_batch / (end - measure_from[0]) if measured_steps else 0.0
-        self.run_dir.write_final_model(self.strategy.unwrap(self.model),
-                                       metadata={"task": self.config.task, "step": str(self.step)})
+        samples_per_s = samples / (end - measure_from[0]) if measure_from and samples else 0.0
+        self.run_dir.write_final_model(model, metadata={"task": self.config.task, "step": str(self.step)})
         job_start = float(os.environ.get(JOB_START_ENV, time.time()))
         report = {
             "status": "completed",
             "task": self.config.task,
             "strategy": self.config.strategy,
             "world_size": self.env.world_size,
+            "workers": self.shards,
             "steps": self.step,
             "samples_seen": self.samples_seen,
             "samples_per_s": samples_per_s,
             "final_loss": final_loss,
-            "eval": self.evaluate(),
+            "eval": self.evaluate(model),
             "restarts": self.env.attempt,
             "recovery": recovery_summary(self.run_dir.path),
             "checkpoint": {
@@ -313,7 +338,9 @@ class Trainer:
                 "write_ms_p50": median(self.checkpointer.write_ms),
             },
             "per_rank": per_rank,
-            "stragglers": flag_stragglers(per_rank),
+            "stragglers": sorted(self.stragglers.first_flagged),
+            "straggler_detection": self.stragglers.summary(),
+            **self.strategy.report(),
             "wall_s": time.time() - job_start,
             "model_uri": None,
             "run_dir": str(self.run_dir.path),

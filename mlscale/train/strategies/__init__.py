@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from mlscale.errors import UsageError
 from mlscale.train.strategies.ddp import DDPStrategy
+from mlscale.train.strategies.ps import ParameterServerStrategy
 from mlscale.train.strategy import Strategy
 
-STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (DDPStrategy,)}
+STRATEGIES: dict[str, type[Strategy]] = {cls.name: cls for cls in (DDPStrategy, ParameterServerStrategy)}
 
 
 def strategy_class(name: str) -> type[Strategy]:

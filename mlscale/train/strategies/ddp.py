@@ -5,14 +5,18 @@ backward pass. A timing comm hook wraps DDP's own all-reduce hook so communicati
 estimated. With one worker nothing is wrapped and no process group exists.
 """
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from mlscale.train.strategy import Strategy
-from mlscale.train.timing import CommTimer
+from mlscale.train.checkpoint import capture_rng, restore_rng
+from mlscale.train.dist import all_gather_floats, all_gather_objects
+from mlscale.train.strategy import Batch, Learner, Setup, StepResult, StepRow, Strategy
+from mlscale.train.timing import CommTimer, now
 
 
 # No ``from __future__ import annotations`` here: DDP checks the hook's annotations at run time.
@@ -30,13 +34,55 @@ def _timed_allreduce(timer: CommTimer, bucket: dist.GradBucket) -> torch.futures
 class DDPStrategy(Strategy):
     name = "ddp"
 
-    def wrap(self, model: nn.Module) -> nn.Module:
-        if not self.env.distributed:
-            return model
-        device_ids = [self.env.device] if self.env.device.type == "cuda" else None
-        ddp = DistributedDataParallel(model, device_ids=device_ids)
-        ddp.register_comm_hook(self.comm, _timed_allreduce)
-        return ddp
+    def setup(self, setup: Setup) -> None:
+        self.plain = setup.model
+        self.module: nn.Module = setup.model
+        if self.env.distributed:
+            device_ids = [self.env.device] if self.env.device.type == "cuda" else None
+            self.module = DistributedDataParallel(setup.model, device_ids=device_ids)
+            self.module.register_comm_hook(self.comm, _timed_allreduce)
+        self.learner: Learner = setup.make_learner(self.module.parameters())
+        self.loss_fn, self.total_steps = setup.loss_fn, setup.total_steps
+        self.steps_done, self.global_batch = setup.start_step, setup.global_batch
 
-    def unwrap(self, module: nn.Module) -> nn.Module:
-        return module.module if isinstance(module, DistributedDataParallel) else module
+    def step(self, batch: Batch | None) -> StepResult:
+        assert batch is not None, "every ddp rank reads data"
+        device = self.env.device
+        inputs = batch.inputs.to(device, non_blocking=True)
+        targets = batch.targets.to(device, non_blocking=True)
+        with self.learner.autocast():
+            loss = self.loss_fn(self.module(inputs), targets)
+        self.learner.backward(loss)
+        backward_end = now()
+        self.learner.apply()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        step_ms = (now() - batch.started) * 1e3
+        comm_ms, exposed_ms = self.comm.take(backward_end)
+        row = StepRow(self.env.rank, loss.detach(), step_ms, step_ms - batch.data_ms - exposed_ms, comm_ms,
+                      exposed_ms, batch.data_ms)
+        self.steps_done += 1
+        return StepResult(step=self.steps_done, done=self.steps_done >= self.total_steps, samples=self.global_batch,
+                          rows=[row], positions=dict.fromkeys(range(self.env.world_size), batch.position))
+
+    def lr(self) -> float:
+        return self.learner.scheduler.get_last_lr()[0]
+
+    def share(self, rows: list[list[float]]) -> list[list[float]]:
+        (own,) = rows
+        return all_gather_floats(self.env, own)
+
+    def state_dict(self) -> dict[str, Any] | None:
+        rngs = all_gather_objects(self.env, capture_rng())
+        if not self.env.is_main:
+            return None
+        return {"model": self.plain.state_dict(), **self.learner.state_dict(), "rng": rngs}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.plain.load_state_dict(state["model"])
+        self.learner.load_state_dict(state)
+        if len(state["rng"]) == self.env.world_size:
+            restore_rng(state["rng"][self.env.rank])
+
+    def full_model(self) -> nn.Module | None:
+        return self.plain if self.env.is_main else None

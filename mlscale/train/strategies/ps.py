@@ -1,0 +1,206 @@
+"""A parameter server: server ranks hold the parameters and apply the optimizer, workers compute.
+
+Ranks ``0..S-1`` are servers, each holding a shard of the parameters (whole tensors, balanced by
+size) and the optimizer state for it; ranks ``S..S+N-1`` are the workers, which read data, compute
+gradients on a full copy of the model, push each server its shard of the gradient and pull back the
+updated shard. Consistency (``--sync``):
+
+- ``bsp``: a step applies the average of every worker's gradient (exactly what ddp computes), or of
+  the first ``N - b`` with ``--backup-workers b`` (late gradients are dropped and counted);
+- ``ssp``: each gradient is applied when it arrives, and no worker starts a step more than
+  ``--staleness s`` steps ahead of the slowest (Stale Synchronous Parallel);
+- ``async``: each gradient is applied when it arrives; nobody waits.
+
+In ssp and async a global step is ``N`` applied gradients, each scaled by ``1/N``, so a step moves
+the model as far as a synchronous one; training ends after ``N x steps`` gradients, whoever sent them,
+so fast workers do more of the work instead of idling while a straggler finishes its share.
+
+All of it runs on torch.distributed point-to-point calls in the job's own process group (gradients
+and parameters: gloo on CPU, nccl on GPU) and a gloo side group for small control messages. Server 0
+sequences: it receives every worker's message header (a gloo receive from any rank), decides, and
+broadcasts each decision to the other servers, so every shard sees the same sequence of events and
+a checkpoint taken between two steps is consistent across shards. Implementation: ``ps_messages.py``
+(what travels) and ``ps_server.py`` (the server's decisions).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mlscale.config import TrainConfig
+from mlscale.errors import UsageError
+from mlscale.train.strategies.ps_messages import (
+    Header,
+    Reply,
+    empty_flat,
+    flat,
+    receive_state,
+    send_state,
+    unflatten_into,
+)
+from mlscale.train.strategies.ps_server import Sequencer, ServerShard, shard_by_size
+from mlscale.train.strategy import Batch, Learner, Setup, StepResult, Strategy
+from mlscale.train.timing import now
+
+
+class ParameterServerStrategy(Strategy):
+    name = "ps"
+
+    @classmethod
+    def world_size(cls, config: TrainConfig) -> int:
+        return config.workers + config.ps_servers
+
+    @classmethod
+    def data_ranks(cls, config: TrainConfig, world: int) -> list[int]:
+        return list(range(config.ps_servers, world))
+
+    @classmethod
+    def check(cls, config: TrainConfig, world: int) -> None:
+        if world <= config.ps_servers:
+            raise UsageError(f"bad value ps-servers={config.ps_servers}: a world of {world} process(es) leaves no "
+                             "worker (the job needs workers + ps-servers processes)")
+        workers = world - config.ps_servers
+        if config.backup_workers and config.sync != "bsp":
+            raise UsageError(f"bad value backup-workers={config.backup_workers}: backup workers need --sync bsp "
+                             f"(got {config.sync})")
+        if config.backup_workers >= workers:
+            raise UsageError(f"bad value backup-workers={config.backup_workers}: must be fewer than the {workers} "
+                             "worker(s)")
+        if config.precision == "fp16":
+            raise UsageError("bad value precision='fp16': the parameter server does not scale losses; use bf16 "
+                             "or fp32")
+
+    def __init__(self, env: Any, config: TrainConfig) -> None:
+        super().__init__(env, config)
+        self.servers = config.ps_servers
+        self.workers = env.world_size - self.servers
+        self.is_server = env.rank < self.servers
+
+    @property
+    def keeps_records(self) -> bool:
+        return self.is_server
+
+    # -- set-up ------------------------------------------------------------------------------------
+    def setup(self, setup: Setup) -> None:
+        if any(b.is_floating_point() for b in setup.model.buffers()):
+            raise UsageError("the parameter server does not synchronise buffers (BatchNorm statistics, say); "
+                             "use --strategy ddp for this model")
+        timeout = timedelta(seconds=self.config.collective_timeout_s)
+        # Every rank creates every group, in the same order, as torch.distributed requires.
+        self.control = dist.new_group(backend="gloo", timeout=timeout)
+        self.server_group = (dist.new_group(ranks=list(range(self.servers)), backend="gloo", timeout=timeout)
+                             if self.servers > 1 else None)
+        self.model = setup.model
+        self.params = list(setup.model.parameters())
+        self.shards = shard_by_size([p.numel() for p in self.params], self.servers)
+        self.version = setup.start_step
+        if self.is_server:
+            mine = [self.params[i] for i in self.shards[self.env.rank]]
+            self.shard = ServerShard(mine, setup.make_learner(mine), self.env, self.control, self.workers)
+            self.sequencer = Sequencer(self.config, self.shard, self.server_group, self.workers, setup.total_steps,
+                                       setup.start_step, setup.global_batch // self.workers)
+        else:
+            self.learner: Learner = setup.make_learner(self.params)  # for autocast; servers apply updates
+            self.loss_fn = setup.loss_fn
+            self.clock, self.last_comm_ms = 0, 0.0
+
+    # -- the step ----------------------------------------------------------------------------------
+    def step(self, batch: Batch | None) -> StepResult:
+        if self.is_server:
+            return self.sequencer.run_step()
+        assert batch is not None, "every parameter server worker reads data"
+        return self._worker_step(batch)
+
+    def _worker_step(self, batch: Batch) -> StepResult:
+        device = self.env.device
+        with self.learner.autocast():
+            loss = self.loss_fn(self.model(batch.inputs.to(device)), batch.targets.to(device))
+        self.learner.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        pushed = now()
+        compute_ms = (pushed - batch.started) * 1e3 - batch.data_ms
+        header = Header(clock=self.clock, version=self.version, epoch=batch.position.epoch,
+                        offset=batch.position.offset, loss=loss.item(), compute_ms=compute_ms,
+                        data_ms=batch.data_ms, comm_ms=self.last_comm_ms, samples=len(batch.inputs))
+        dist.send(header.encode(), dst=0, group=self.control)
+        sends = [dist.isend(self._gradients(server), dst=server) for server in range(self.servers)]
+        reply = Reply.receive(self.control)
+        if not reply.done:
+            for server in range(self.servers):
+                buffer = empty_flat([self.params[i] for i in self.shards[server]])
+                dist.recv(buffer, src=server)
+                unflatten_into(buffer, [self.params[i].data for i in self.shards[server]])
+        for send in sends:
+            send.wait()
+        self.last_comm_ms = (now() - pushed) * 1e3
+        self.clock += 1
+        self.version = reply.version
+        return StepResult(step=reply.version, done=reply.done)
+
+    def _gradients(self, server: int) -> torch.Tensor:
+        params = [self.params[i] for i in self.shards[server]]
+        return flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in params])
+
+    # -- records: the servers among themselves ------------------------------------------------------
+    def lr(self) -> float:
+        return self.shard.learner.scheduler.get_last_lr()[0]
+
+    def share(self, rows: list[list[float]]) -> list[list[float]]:
+        return rows  # server 0 sees every worker's header; the other servers keep no rows
+
+    def _gather_shards(self, payload: dict[str, Any]) -> list[dict[str, Any]] | None:
+        """Each server's ``payload`` on server 0 (in server order), ``None`` on the others."""
+        if self.env.rank != 0:
+            send_state(payload, dst=0, group=self.control)
+            return None
+        return [payload] + [receive_state(src=server, group=self.control) for server in range(1, self.servers)]
+
+    def state_dict(self) -> dict[str, Any] | None:
+        gathered = self._gather_shards({"params": [p.detach().cpu() for p in self.shard.params],
+                                        "learner": self.shard.learner.state_dict()})
+        if gathered is None:
+            return None
+        self._fill_model(gathered)
+        optimizer: dict[str, Any] = {"state": {}, "param_groups": []}
+        for indices, part in zip(self.shards, gathered):
+            local = part["learner"]["optimizer"]
+            optimizer["state"].update({indices[i]: value for i, value in local["state"].items()})
+            if not optimizer["param_groups"]:
+                optimizer["param_groups"] = [{**local["param_groups"][0], "params": list(range(len(self.params)))}]
+        learner = gathered[0]["learner"]
+        return {"model": self.model.state_dict(), "optimizer": optimizer, "scheduler": learner["scheduler"],
+                "scaler": learner["scaler"], "rng": [], "parameter_server": self.sequencer.counters()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])  # workers start their next step from these weights
+        if not self.is_server:
+            return
+        indices = self.shards[self.env.rank]
+        full = state["optimizer"]
+        local = {"state": {i: full["state"][g] for i, g in enumerate(indices) if g in full["state"]},
+                 "param_groups": [{**full["param_groups"][0], "params": list(range(len(indices)))}]}
+        self.shard.learner.load_state_dict({"optimizer": local, "scheduler": state["scheduler"],
+                                            "scaler": state["scaler"]})
+        if "parameter_server" in state:
+            self.sequencer.restore_counters(state["parameter_server"])
+
+    def _fill_model(self, gathered: list[dict[str, Any]]) -> None:
+        for indices, part in zip(self.shards, gathered):
+            for i, value in zip(indices, part["params"]):
+                self.params[i].data.copy_(value)
+
+    def full_model(self) -> nn.Module | None:
+        gathered = self._gather_shards({"params": [p.detach().cpu() for p in self.shard.params]})
+        if gathered is None:
+            return None
+        self._fill_model(gathered)
+        return self.model
+
+    def report(self) -> dict[str, Any]:
+        sizes = [sum(self.params[i].numel() for i in shard) for shard in self.shards]
+        return {"parameter_server": {**self.sequencer.summary(), "shard_numel": sizes}}
