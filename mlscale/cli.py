@@ -91,6 +91,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-every", type=int, metavar="K", help="metrics line every K steps (default 10)")
     p.add_argument("--register", metavar="NAME", help="register the final model under NAME when training ends")
     p.add_argument("--json", action="store_true", help="print report.json instead of the summary table")
+    p.add_argument("--no-progress", action="store_false", dest="progress", default=None,
+                   help="no progress bar or progress lines (failures and restarts are still reported)")
     p.add_argument("--no-plot", action="store_false", dest="plot",
                    help="do not draw RUN_DIR/plots/training.png at the end (drawn when matplotlib is installed)")
     add_registry_option(p)
@@ -105,7 +107,7 @@ def _train(args: argparse.Namespace) -> int:
         "task", "workers", "strategy", "steps", "epochs", "batch_size", "lr", "optimizer", "seed", "dtype",
         "precision", "device", "run_dir", "resume", "checkpoint_every", "keep_checkpoints", "async_checkpoint",
         "max_restarts", "collective_timeout_s", "faults", "log_every", "sync", "staleness", "ps_servers",
-        "backup_workers", "straggler_threshold", "simulated_compute_ms")}
+        "backup_workers", "straggler_threshold", "simulated_compute_ms", "progress")}
     if args.task_opt:
         overrides["task_options"] = dict(args.task_opt)
     config = build_config(args.config, **overrides)
@@ -142,8 +144,11 @@ def _plot(run_dir: str) -> str | None:
 
 def print_train_summary(report: dict[str, Any]) -> None:
     eval_text = ", ".join(f"{k} {v:.4f}" for k, v in report["eval"].items())
+    workers = report.get("workers", report["world_size"])
+    others = report["world_size"] - workers
+    layout = f"{workers} worker(s)" + (f" + {others} server(s)" if others else "")
     rows = [
-        ("task", f"{report['task']} ({report['strategy']}, {report['world_size']} worker(s))"),
+        ("task", f"{report['task']} ({report['strategy']}, {layout})"),
         ("steps", f"{report['steps']} ({report['samples_seen']:,} samples)"),
         ("final loss", f"{report['final_loss']:.4f}"),
         ("eval", eval_text),
@@ -151,6 +156,14 @@ def print_train_summary(report: dict[str, Any]) -> None:
         ("wall time", f"{report['wall_s']:.1f} s"),
         ("run dir", report["run_dir"]),
     ]
+    if report.get("stragglers"):
+        flagged = report["straggler_detection"]["flagged"]
+        rows.append(("stragglers", ", ".join(f"rank {r} (from step {f['first_step']}, up to {f['max_score']:.1f}x)"
+                                             for r, f in flagged.items())))
+    server = report.get("parameter_server")
+    if server:
+        rows.append(("parameter server", f"{server['sync']}, {server['gradients_applied']:,} gradients applied, "
+                     f"{server['gradients_dropped']:,} dropped, staleness max {server['staleness']['max']}"))
     if report.get("model_uri"):
         rows.append(("registered", report["model_uri"]))
     if report.get("plot"):

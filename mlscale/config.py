@@ -57,6 +57,7 @@ class TrainConfig(BaseModel):
     max_restarts: int = Field(0, ge=0)
     faults: list[str] = Field(default_factory=list)
     log_every: int = Field(10, ge=1)
+    progress: bool = Field(True, description="rank 0 shows a progress bar or periodic lines")
     collective_timeout_s: float = Field(300.0, gt=0)
     warmup_steps_for_throughput: int = Field(5, ge=0)
     straggler_threshold: float = Field(1.5, gt=1, description="flag a rank this many times slower than the fastest")

@@ -25,16 +25,23 @@ WARMUP = 5
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from mlscale.bench import train_stragglers
+
     add_out_option(p, "train")
+    p.add_argument("--scenario", choices=("anchor", "straggler"), default="anchor",
+                   help="anchor (default): our trainer vs a plain DDP loop; straggler: ddp and the parameter "
+                   "server's modes with and without slow workers")
     p.add_argument("--workers", type=int_list(1), default=[1, 2],
                    help="world sizes to compare, comma-separated (default 1,2)")
-    p.add_argument("--repeats", type=int_at_least(1), default=5, help="alternating repeats of each pair (default 5)")
-    p.add_argument("--steps", type=int_at_least(WARMUP + 1), default=300,
-                   help=f"steps per run, the first {WARMUP} are warm-up (default 300)")
+    p.add_argument("--repeats", type=int_at_least(1), default=None,
+                   help="alternating repeats (default 5; straggler: 3)")
+    p.add_argument("--steps", type=int_at_least(WARMUP + 1), default=None,
+                   help=f"steps per run, the first {WARMUP} are warm-up (default 300; straggler: 80)")
     p.add_argument("--batch-size", type=int_at_least(1), default=128, help="per worker (default 128)")
     p.add_argument("--width", type=int_at_least(1), default=1024,
                    help="hidden width of the synthetic MLP (default 1024)")
     p.add_argument("--depth", type=int_at_least(1), default=2, help="hidden layers of the synthetic MLP (default 2)")
+    train_stragglers.add_arguments(p)
 
 
 def _task(args: argparse.Namespace) -> dict[str, Any]:
@@ -128,6 +135,13 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    straggler = args.scenario == "straggler"
+    args.repeats = args.repeats or (3 if straggler else 5)
+    args.steps = args.steps or (80 if straggler else 300)
+    if straggler:
+        from mlscale.bench import train_stragglers
+
+        return train_stragglers.run_from_args(args)
     results = run_benchmark(args)
     json_path, png_path = write_results(args.out, "train", results, plot)
     for size, row in results["world_sizes"].items():

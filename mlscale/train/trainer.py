@@ -80,8 +80,8 @@ def by_rank(rows: list[StepRow]) -> dict[int, list[StepRow]]:
     return grouped
 
 
-def timing_medians(rows: list[StepRow]) -> list[float]:
-    return [median(row.timings()[i] for row in rows) for i in range(len(TIMING_KEYS))]
+def timing_medians(timings: list[tuple[float, ...]]) -> list[float]:
+    return [median(t[i] for t in timings) for i in range(len(TIMING_KEYS))]
 
 
 class Trainer:
@@ -112,6 +112,7 @@ class Trainer:
         state = self._latest_state() if config.resume or env.attempt > 0 else None
         if state is not None:
             self.step = state["step"]
+        self.local_steps = self.step  # steps this rank has computed (equal to global steps under ddp)
         torch.manual_seed(config.seed)  # the same initial weights on every rank
         model = self.task.build_model().to(dtype=self.dtype, device=env.device)
         self._seed_rank_rngs()
@@ -139,7 +140,9 @@ class Trainer:
                        precision=self.config.precision, device_type=self.env.device.type)
 
     def _seed_rank_rngs(self) -> None:
-        seed = self.config.seed * 1000 + self.env.rank + 1
+        # By data shard, not rank: the worker reading shard i draws the same numbers under every strategy.
+        position = self.shard if self.shard is not None else self.shards + self.env.rank
+        seed = self.config.seed * 1000 + position + 1
         torch.manual_seed(seed)
         random.seed(seed)
         np.random.seed(seed % 2**32)
@@ -195,11 +198,16 @@ class Trainer:
         if self.loader is None:
             return None
         inputs, targets = next(self.loader)
+        device = self.env.device
+        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         return Batch(inputs, targets, self.loader.position, start, (now() - start) * 1e3)
 
     def _train_step(self) -> StepResult:
         batch = self._next_batch()
-        self.faults.before_step(self.step + 1)
+        # A data rank counts its own steps (under async ps the global step can jump past a straggler's);
+        # a rank without data counts global steps.
+        self.faults.before_step((self.local_steps if batch is not None else self.step) + 1)
+        self.local_steps += 1
         if batch is not None and self.config.simulated_compute_ms:
             time.sleep(self.config.simulated_compute_ms / 1e3)
         result = self.strategy.step(batch)
@@ -225,7 +233,8 @@ class Trainer:
         summaries = []
         for rank, rows in sorted(by_rank(window.rows).items()):
             losses = torch.stack([torch.as_tensor(row.loss, dtype=torch.float64) for row in rows]).double()
-            summaries.append([rank, losses.mean().item(), losses[-1].item(), *timing_medians(rows),
+            summaries.append([rank, losses.mean().item(), losses[-1].item(),
+                              *timing_medians([row.timings() for row in rows]),
                               *(row.own_ms for row in rows)])
         shared = self.strategy.share(summaries)
         if not shared:
@@ -242,6 +251,7 @@ class Trainer:
                 "lr": self.strategy.lr(),
                 "samples_per_s": samples_per_s,
                 "time": time.time(),
+                "elapsed_s": now() - self.loop_start,
                 "per_rank": [{"rank": int(r[0]), **dict(zip(TIMING_KEYS, r[3:fixed])),
                               "straggler_score": round(self.stragglers.scores.get(int(r[0]), 1.0), 3)}
                              for r in shared],
@@ -254,14 +264,16 @@ class Trainer:
     def run(self) -> dict[str, Any]:
         """Train to the end, checkpoint, evaluate, and (rank 0) write the report."""
         config, records = self.config, self.strategy.keeps_records
-        progress = self.progress = Progress(self.total_steps, self.step) if self.env.is_main else None
+        self.loop_start = now()
+        progress = self.progress = Progress(self.total_steps, self.step) \
+            if self.env.is_main and config.progress else None
         if self.recovery is not None:
             self._say(self.recovery.restart_notice(config.max_restarts))
         # Throughput and timing medians leave out the first steps (warm-up), unless that is all.
         warm = min(config.warmup_steps_for_throughput, max(0, self.total_steps - self.step - 1))
         start_step = self.step
         measure_from = (now(), self.step) if warm == 0 else None
-        measured_rows: list[StepRow] = []
+        measured: dict[int, list[tuple[float, ...]]] = {}  # rank -> timings (floats only: no device tensors)
         measured_samples = 0
         window, final_loss, done = _Window(), float("nan"), self.step >= self.total_steps
         try:
@@ -273,7 +285,8 @@ class Trainer:
                 window.rows.extend(result.rows)
                 window.samples += result.samples
                 if measure_from is not None:
-                    measured_rows.extend(result.rows)
+                    for row in result.rows:
+                        measured.setdefault(row.rank, []).append(row.timings())
                     measured_samples += result.samples
                 elif self.step - start_step >= warm:
                     measure_from = (now(), self.step)
@@ -289,7 +302,7 @@ class Trainer:
             self._checkpoint(final=True)
         self.checkpointer.wait()
         self.heartbeat.close()
-        report = self._finish(final_loss, measured_rows, measured_samples, measure_from) if records else {}
+        report = self._finish(final_loss, measured, measured_samples, measure_from) if records else {}
         self.strategy.close()
         return report
 
@@ -303,11 +316,10 @@ class Trainer:
         model.train()
         return self.task.metrics_fn(outputs, data.targets)
 
-    def _finish(self, final_loss: float, rows: list[StepRow], samples: int,
+    def _finish(self, final_loss: float, measured: dict[int, list[tuple[float, ...]]], samples: int,
                 measure_from: tuple[float, int] | None) -> dict[str, Any]:
         end = now()
-        grouped = by_rank(rows)
-        shared = self.strategy.share([[rank, *timing_medians(grouped[rank])] for rank in sorted(grouped)]
+        shared = self.strategy.share([[rank, *timing_medians(measured[rank])] for rank in sorted(measured)]
                                      or ([[self.env.rank, *timing_medians([])]] if self.shard is not None else []))
         per_rank = [{"rank": int(r[0]), **{f"{key}_p50": value for key, value in zip(TIMING_KEYS, r[1:])}}
                     for r in shared]

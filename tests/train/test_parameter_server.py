@@ -62,7 +62,8 @@ def test_ssp_never_applies_a_gradient_more_than_the_bound_stale(straggling):
 def test_async_applies_gradients_as_they_arrive_so_fast_workers_do_more(straggling):
     server = straggling["async"]["parameter_server"]
     assert server["gradients_applied"] == 3 * 30
-    assert server["staleness"]["max"] > 1  # nobody waited for the straggler: its gradients are stale
+    assert server["staleness"]["max"] > 1  # nobody waited for the straggler: the others ran far ahead
+    assert server["version_lag"]["max"] > 1  # and its gradients were applied several steps late
     applied = server["applied_by_worker"]
     assert applied["2"] < min(applied["1"], applied["3"]), applied  # the straggler did the least work
 
@@ -70,11 +71,12 @@ def test_async_applies_gradients_as_they_arrive_so_fast_workers_do_more(straggli
 def test_backup_workers_apply_a_step_without_waiting_for_the_late_gradient(tmp_path):
     delay_ms = 150
     report = train(tmp_path / "run", "--strategy", "ps", "--backup-workers", "1", "--workers", "3",
-                   "--steps", "20", "--simulated-compute-ms", "10", "--fault", f"slow:rank=2:delay_ms={delay_ms}")
+                   "--steps", "30", "--simulated-compute-ms", "10", "--fault", f"slow:rank=2:delay_ms={delay_ms}")
     server = report["parameter_server"]
-    assert server["gradients_applied"] == 2 * 20
+    assert server["gradients_applied"] == 2 * 30
     assert server["gradients_dropped"] >= 1 and server["samples_dropped"] == server["gradients_dropped"] * BATCH
-    assert server["applied_by_worker"].get("2", 0) == 0  # the slow worker's gradient was never the awaited one
+    # the slow worker's gradient is almost never among the first two (only while the others start up)
+    assert server["applied_by_worker"].get("2", 0) <= 3, server["applied_by_worker"]
     assert server["step_ms_p50"] < delay_ms / 4, server["step_ms_p50"]  # no step waited for it
 
 

@@ -71,6 +71,10 @@ class ParameterServerStrategy(Strategy):
         if config.backup_workers >= workers:
             raise UsageError(f"bad value backup-workers={config.backup_workers}: must be fewer than the {workers} "
                              "worker(s)")
+        if config.device != "cpu" and torch.cuda.is_available() and world > torch.cuda.device_count():
+            raise UsageError(f"bad value workers={workers}: with --strategy ps every process needs a GPU of its "
+                             f"own, and {workers} worker(s) + {config.ps_servers} server(s) exceed the "
+                             f"{torch.cuda.device_count()} GPU(s) here")
         if config.precision == "fp16":
             raise UsageError("bad value precision='fp16': the parameter server does not scale losses; use bf16 "
                              "or fp32")
@@ -97,6 +101,9 @@ class ParameterServerStrategy(Strategy):
                              if self.servers > 1 else None)
         self.model = setup.model
         self.params = list(setup.model.parameters())
+        if len(self.params) < self.servers:
+            raise UsageError(f"bad value ps-servers={self.servers}: the model has only {len(self.params)} parameter "
+                             "tensor(s) to shard (each server holds whole tensors)")
         self.shards = shard_by_size([p.numel() for p in self.params], self.servers)
         self.version = setup.start_step
         if self.is_server:
@@ -122,6 +129,7 @@ class ParameterServerStrategy(Strategy):
             loss = self.loss_fn(self.model(batch.inputs.to(device)), batch.targets.to(device))
         self.learner.optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        self._synchronize()  # on a GPU, compute ends when its kernels have run, not when they were queued
         pushed = now()
         compute_ms = (pushed - batch.started) * 1e3 - batch.data_ms
         header = Header(clock=self.clock, version=self.version, epoch=batch.position.epoch,
@@ -137,10 +145,15 @@ class ParameterServerStrategy(Strategy):
                 unflatten_into(buffer, [self.params[i].data for i in self.shards[server]])
         for send in sends:
             send.wait()
+        self._synchronize()
         self.last_comm_ms = (now() - pushed) * 1e3
         self.clock += 1
         self.version = reply.version
         return StepResult(step=reply.version, done=reply.done)
+
+    def _synchronize(self) -> None:
+        if self.env.device.type == "cuda":
+            torch.cuda.synchronize(self.env.device)
 
     def _gradients(self, server: int) -> torch.Tensor:
         params = [self.params[i] for i in self.shards[server]]
@@ -200,6 +213,10 @@ class ParameterServerStrategy(Strategy):
             return None
         self._fill_model(gathered)
         return self.model
+
+    def close(self) -> None:
+        if self.is_server:
+            self.shard.close()  # the last replies and parameters have reached their workers
 
     def report(self) -> dict[str, Any]:
         sizes = [sum(self.params[i].numel() for i in shard) for shard in self.shards]

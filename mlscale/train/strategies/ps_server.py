@@ -55,9 +55,16 @@ class ServerShard:
         self.kept[worker] = self.receive(worker)
 
     def apply_now(self, worker: int, scale: float) -> None:
-        """Apply one worker's gradient on its own (ssp, async): an optimizer step, no schedule step."""
-        self._set_gradients(self.receive(worker) * scale)
+        """Apply one worker's gradient on its own (ssp, async): an optimizer step with the learning rate
+        scaled by ``scale`` (so weight decay and Adam's step shrink too), no schedule step."""
+        self._set_gradients(self.receive(worker))
+        groups = self.learner.optimizer.param_groups
+        rates = [group["lr"] for group in groups]
+        for group in groups:
+            group["lr"] *= scale
         self.learner.optimizer.step()
+        for group, rate in zip(groups, rates):
+            group["lr"] = rate
 
     def apply_kept(self) -> None:
         """Apply the average of the kept gradients, summed in worker order (bsp: what ddp computes)."""
@@ -112,8 +119,13 @@ class Sequencer:
         self.leader = shard.env.rank == 0
         self.bsp = config.sync == "bsp"
         self.needed = workers - config.backup_workers  # gradients a bsp step applies
-        self.applied, self.dropped, self.samples_dropped = 0, 0, 0
+        self.applied, self.dropped, self.samples_dropped, self.discarded_at_end = 0, 0, 0, 0
+        self.in_round = 0  # ssp, async: gradients applied towards the current global step
+        # Two views of how stale an applied gradient was. ``staleness``: how many steps its worker was
+        # ahead of the slowest worker when it read the parameters (what ssp bounds); ``version_lag``:
+        # how many global steps were applied between that read and this gradient's own application.
         self.staleness: Counter[int] = Counter()
+        self.version_lag: Counter[int] = Counter()
         self.per_worker: Counter[int] = Counter()  # gradients applied, by worker (this attempt)
         self.step_ends: list[float] = []  # when each global step ended (server 0, this attempt)
         # Per attempt: clocks restart at 0 together after a restore, as all workers resume from one state.
@@ -188,18 +200,23 @@ class Sequencer:
             self.told_done.add(worker)
 
     def _drop(self, worker: int, header: Header) -> None:
-        """Receive and discard a gradient: late for its step, or computed after training ended."""
+        """Receive and discard a gradient that came too late for its step (backup workers)."""
         self._emit(Event.DROP, worker)
         self.dropped += 1
         self.samples_dropped += header.samples
+
+    def _discard_after_end(self, worker: int) -> None:
+        """A gradient computed while training ended elsewhere: received, discarded, the worker told."""
+        self._emit(Event.DROP, worker)
+        self.discarded_at_end += 1
+        self._release(worker, done=True)
 
     def _on_push_bsp(self, worker: int, header: Header, result: StepResult) -> bool:
         """A step waits for ``needed`` gradients of that step; a gradient for an earlier step (a backup
         worker's, arriving after its step was applied without it) is dropped, and its worker goes on at
         once with the current parameters. Returns whether a step was applied."""
         if self._finishing():
-            self._drop(worker, header)
-            self._release(worker, done=True)
+            self._discard_after_end(worker)
             return False
         if header.version < self.round:
             self._drop(worker, header)
@@ -211,29 +228,29 @@ class Sequencer:
             return False
         self._emit(Event.STEP)
         self.round += 1
-        self._count_applied(sorted(self.waiting), result, staleness=0)
+        self._count_applied(sorted(self.waiting), result, staleness=0, lag=0)
         for other in sorted(self.waiting):
             self._release(other, done=self._finishing())
         self.waiting.clear()
         return True
 
     def _on_push_async(self, worker: int, header: Header, result: StepResult) -> bool:
-        """Each gradient is applied as it arrives (scaled by 1/N). ssp then holds a worker back while it
-        is more than ``staleness`` steps ahead of the slowest; async never does. Returns whether the
-        gradient completed a global step (N applied)."""
-        budget = self.total_steps * self.workers
-        if self.applied >= budget:
-            self._drop(worker, header)
-            self._release(worker, done=True)
+        """Each gradient is applied as it arrives (with the learning rate / N). ssp then holds a worker
+        back while it is more than ``staleness`` steps ahead of the slowest; async never does. Returns
+        whether the gradient completed a global step (N applied)."""
+        if self._finishing():
+            self._discard_after_end(worker)
             return False
         self._emit(Event.APPLY, worker)
-        self._count_applied([worker], result, staleness=self.next_staleness[worker])
+        self._count_applied([worker], result, staleness=self.next_staleness[worker],
+                            lag=self.round - header.version)
         self.clock[worker] += 1
         self.waiting.add(worker)
-        completed = self.applied % self.workers == 0
+        self.in_round += 1
+        completed = self.in_round == self.workers
         if completed:
-            self.round += 1
-        finished = self.applied >= budget
+            self.round, self.in_round = self.round + 1, 0
+        finished = self._finishing()
         slowest = min(self.clock)
         for other in sorted(self.waiting):
             ahead = self.clock[other] - slowest
@@ -243,26 +260,26 @@ class Sequencer:
                 self.waiting.discard(other)
         return completed
 
-    def _count_applied(self, workers: list[int], result: StepResult, staleness: int) -> None:
+    def _count_applied(self, workers: list[int], result: StepResult, staleness: int, lag: int) -> None:
         self.applied += len(workers)
         self.staleness[staleness] += len(workers)
+        self.version_lag[lag] += len(workers)
         self.per_worker.update(workers)
         result.samples += len(workers) * self.batch_size
 
     # -- bookkeeping for checkpoints and the report -------------------------------------------------
     def counters(self) -> dict[str, Any]:
-        return {"applied": self.applied, "dropped": self.dropped,
-                "samples_dropped": self.samples_dropped,
-                "staleness": {str(k): v for k, v in sorted(self.staleness.items())}}
+        return {"applied": self.applied, "dropped": self.dropped, "samples_dropped": self.samples_dropped,
+                "discarded_at_end": self.discarded_at_end, "staleness": _plain(self.staleness),
+                "version_lag": _plain(self.version_lag)}
 
     def restore_counters(self, saved: dict[str, Any]) -> None:
         self.applied, self.dropped = int(saved["applied"]), int(saved["dropped"])
         self.samples_dropped = int(saved["samples_dropped"])
         self.staleness = Counter({int(k): int(v) for k, v in saved["staleness"].items()})
+        self.version_lag = Counter({int(k): int(v) for k, v in saved["version_lag"].items()})
 
     def summary(self) -> dict[str, Any]:
-        histogram = {int(k): v for k, v in self.counters()["staleness"].items()}
-        total = sum(histogram.values())
         gaps = [(b - a) * 1e3 for a, b in zip(self.step_ends, self.step_ends[1:])]
         return {
             "sync": self.config.sync,
@@ -274,9 +291,20 @@ class Sequencer:
             "samples_dropped": self.samples_dropped,
             "applied_by_worker": {str(self.shard.first_worker + w): n for w, n in sorted(self.per_worker.items())},
             "step_ms_p50": median(gaps),
-            "staleness": {"max": max(histogram, default=0), "mean": sum(k * v for k, v in histogram.items())
-                          / max(total, 1), "histogram": {str(k): v for k, v in sorted(histogram.items())}},
+            "discarded_at_end": self.discarded_at_end,
+            "staleness": _histogram(self.staleness),
+            "version_lag": _histogram(self.version_lag),
         }
+
+
+def _plain(counts: Counter[int]) -> dict[str, int]:
+    return {str(k): v for k, v in sorted(counts.items())}
+
+
+def _histogram(counts: Counter[int]) -> dict[str, Any]:
+    total = sum(counts.values())
+    return {"max": max(counts, default=0), "mean": sum(k * v for k, v in counts.items()) / max(total, 1),
+            "histogram": _plain(counts)}
 
 
 def _row(rank: int, header: Header) -> StepRow:
