@@ -2,6 +2,7 @@
 for a straggler, and a killed worker or server is recovered from a checkpoint."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -38,6 +39,7 @@ def test_bsp_with_two_servers_ends_with_the_weights_of_ddp(tmp_path, ddp_referen
     assert report["world_size"] == 4 and report["workers"] == 2
     assert len(server["shard_numel"]) == 2 and min(server["shard_numel"]) > 0  # both servers hold a shard
     assert server["gradients_applied"] == 2 * STEPS and server["gradients_dropped"] == 0
+    assert report["stragglers"] == [] and all(line["stragglers"] == [] for line in metrics(run_dir))  # no fault
 
 
 @pytest.fixture(scope="module")
@@ -80,29 +82,30 @@ def test_backup_workers_apply_a_step_without_waiting_for_the_late_gradient(tmp_p
     assert server["step_ms_p50"] < delay_ms / 4, server["step_ms_p50"]  # no step waited for it
 
 
-@pytest.mark.parametrize("strategy", [["--strategy", "ddp", "--workers", "3"],
-                                      ["--strategy", "ps", "--sync", "async", "--workers", "2"]],
-                         ids=["ddp", "ps-async"])
-def test_a_slow_rank_is_flagged_within_20_steps_and_only_it(strategy, tmp_path):
-    slow = 1 if strategy[1] == "ddp" else 2
+def test_a_slow_ddp_rank_is_flagged_within_20_steps_and_only_it(tmp_path):
     run_dir = tmp_path / "run"
-    report = train(run_dir, *strategy, "--steps", "30", "--log-every", "5", "--simulated-compute-ms", "5",
-                   "--fault", f"slow:rank={slow}:delay_ms=30")
-    first = next(line["step"] for line in metrics(run_dir) if slow in line["stragglers"])
+    report = train(run_dir, "--workers", "3", "--steps", "30", "--log-every", "5", "--simulated-compute-ms", "5",
+                   "--fault", "slow:rank=1:delay_ms=30")
+    first = next(line["step"] for line in metrics(run_dir) if 1 in line["stragglers"])
     assert first <= 20
-    assert report["stragglers"] == [slow]
-    assert report["straggler_detection"]["flagged"][str(slow)]["max_score"] >= 1.5
+    assert report["stragglers"] == [1]
+    assert report["straggler_detection"]["flagged"]["1"]["max_score"] >= 1.5
+    assert all("straggler_score" in row for row in metrics(run_dir)[-1]["per_rank"])
 
 
-@pytest.mark.parametrize("strategy", [["--strategy", "ddp", "--workers", "3"],
-                                      ["--strategy", "ps", "--sync", "bsp", "--workers", "3"]],
-                         ids=["ddp", "ps-bsp"])
-def test_no_rank_is_flagged_when_no_fault_is_injected(strategy, tmp_path):
+@pytest.mark.parametrize("sync", ["ssp", "async"])
+def test_a_slow_parameter_server_worker_is_flagged_within_20_steps_and_only_it(sync, straggling):
+    report = straggling[sync]
+    first = next(line["step"] for line in metrics(Path(report["run_dir"])) if 2 in line["stragglers"])
+    assert first <= 20
+    assert report["stragglers"] == [2]
+
+
+def test_no_ddp_rank_is_flagged_when_no_fault_is_injected(tmp_path):
     run_dir = tmp_path / "run"
-    report = train(run_dir, *strategy, "--steps", "40", "--log-every", "5", "--simulated-compute-ms", "5")
+    report = train(run_dir, "--workers", "3", "--steps", "40", "--log-every", "5", "--simulated-compute-ms", "5")
     assert report["stragglers"] == []
     assert all(line["stragglers"] == [] for line in metrics(run_dir))
-    assert all("straggler_score" in row for row in metrics(run_dir)[-1]["per_rank"])
 
 
 @pytest.mark.parametrize("killed", [2, 0], ids=["worker", "server"])
@@ -110,7 +113,9 @@ def test_a_killed_parameter_server_rank_is_recovered_from_the_checkpoint(killed,
     run_dir = tmp_path / "run"
     report = train(run_dir, "--strategy", "ps", "--workers", "2", "--steps", str(STEPS), "--dtype", "float64",
                    "--checkpoint-every", "5", "--max-restarts", "1", "--fault", f"kill:rank={killed}:step=13")
-    assert report["restarts"] == 1 and report["resumed_from_step"] == 10
+    # the newest durable checkpoint: step 10, or step 5 when the background write of step 10 was still
+    # in flight (a server's steps on digits take a millisecond or two) when the kill came
+    assert report["restarts"] == 1 and report["resumed_from_step"] in (5, 10)
     fired = [json.loads(line) for line in (run_dir / "logs" / "faults.jsonl").read_text().splitlines()]
     assert [(f["kind"], f["rank"]) for f in fired] == [("kill", killed)]
     # nothing lost, nothing applied twice: the same weights as ddp without a failure
