@@ -30,7 +30,7 @@ TIMING_KEYS = ("step_ms", "compute_ms", "comm_ms", "comm_exposed_ms", "data_wait
 class Batch:
     """One step's input on a data rank, with what the trainer measured before handing it over."""
 
-    inputs: torch.Tensor
+    inputs: torch.Tensor  # on the rank's device
     targets: torch.Tensor
     position: Position  # the loader's position after this batch: where a resume goes on from
     started: float  # perf_counter() when the step began (before the batch was loaded)

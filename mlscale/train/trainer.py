@@ -232,7 +232,7 @@ class Trainer:
         """Share loss and timings among record keepers; rank 0 writes a metrics line. Returns the loss."""
         summaries = []
         for rank, rows in sorted(by_rank(window.rows).items()):
-            losses = torch.stack([torch.as_tensor(row.loss, dtype=torch.float64) for row in rows]).double()
+            losses = torch.stack([torch.as_tensor(row.loss, dtype=torch.float64) for row in rows])
             summaries.append([rank, losses.mean().item(), losses[-1].item(),
                               *timing_medians([row.timings() for row in rows]),
                               *(row.own_ms for row in rows)])

@@ -48,10 +48,8 @@ class DDPStrategy(Strategy):
     def step(self, batch: Batch | None) -> StepResult:
         assert batch is not None, "every ddp rank reads data"
         device = self.env.device
-        inputs = batch.inputs.to(device, non_blocking=True)
-        targets = batch.targets.to(device, non_blocking=True)
-        with self.learner.autocast():
-            loss = self.loss_fn(self.module(inputs), targets)
+        with self.learner.autocast():  # the trainer has put the batch on the device
+            loss = self.loss_fn(self.module(batch.inputs), batch.targets)
         self.learner.backward(loss)
         backward_end = now()
         self.learner.apply()

@@ -124,9 +124,8 @@ class ParameterServerStrategy(Strategy):
         return self._worker_step(batch)
 
     def _worker_step(self, batch: Batch) -> StepResult:
-        device = self.env.device
         with self.learner.autocast():
-            loss = self.loss_fn(self.model(batch.inputs.to(device)), batch.targets.to(device))
+            loss = self.loss_fn(self.model(batch.inputs), batch.targets)  # already on the device
         self.learner.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self._synchronize()  # on a GPU, compute ends when its kernels have run, not when they were queued
