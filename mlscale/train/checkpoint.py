@@ -1,68 +1,205 @@
-"""Resumable checkpoints: one file per checkpoint, written atomically, loaded without pickle code.
+"""Sharded, resumable checkpoints on torch.distributed.checkpoint (DCP): each rank writes its own part.
 
-A checkpoint is ``checkpoints/step_XXXXXXXX.pt``, written to a temporary name and renamed, so a crash
-mid-write leaves only a temporary file that is never taken for a checkpoint. Resuming takes the newest
-checkpoint that loads; a damaged one (truncated by a disk fault, say) is skipped with a warning.
-Files are read with ``torch.load(weights_only=True)``: tensors and plain containers, no code.
+A checkpoint is a directory ``checkpoints/step_XXXXXXXX/``:
 
-Asynchronous saving (the default) copies the state to CPU memory on the training thread — the only
-stall — and writes it on a background thread, as torch.distributed.checkpoint's ``async_save`` does.
-At most one save is in flight; the next save, and the end of training, wait for it.
+- DCP's files: ``.metadata`` and one ``__<rank>_0.distcp`` per writing rank. Tensors are keyed by
+  the names of the *unsplit* model (``model/<fqn>``, ``optimizer/<fqn>/<state>``), so a checkpoint
+  written by 4 fsdp ranks loads on 2, into a pipeline stage, or into one process; a tensor every rank
+  holds (a ddp replica) is written once.
+- ``rank_<r>.json``: what is not a tensor, per rank (LR schedule, loss scaler, optimizer
+  hyperparameters, random number generators).
+- ``trainer.json``: the trainer's own state (step, data positions, world size), from rank 0.
+
+Everything is written into ``step_XXXXXXXX.partial/`` and renamed by rank 0 once DCP has written its
+metadata (which it does only after every rank's data is on disk), so a crash mid-write never leaves
+something that passes for a checkpoint. Resuming takes the newest complete checkpoint whose files are
+whole (each file at least as long as DCP's metadata says); a damaged one is skipped with a warning.
+
+No pickle code runs on load: DCP's tensor data is read with ``torch.load(weights_only=True)``, only
+tensors go through DCP, and its ``.metadata`` (a pickle) is read by an unpickler that knows only DCP's
+metadata classes and refuses anything else.
+
+Asynchronous saving (the default) is ``dcp.async_save``: the state is copied to CPU memory on the
+training thread (the only stall) and written on a background thread, whose collectives run on a gloo
+group of their own so they never interleave with training's. At most one save is in flight.
 """
 
 from __future__ import annotations
 
+import json
+import pickle
 import random
-import re
+import shutil
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from mlscale.io import atomic_write
+from mlscale.io import _fsync_dir, atomic_write
 
-_NAME = re.compile(r"^step_(\d{8})\.pt$")
+# DCP warns that it "assumes a single process" whenever no process group is used, as we mean it to.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+PARTIAL = ".partial"
+TRAINER_FILE = "trainer.json"
 WriteHook = Callable[[int, Path], None]
 
 
-def snapshot(state: Any) -> Any:
-    """A deep copy whose tensors live in CPU memory and are not shared with the training state."""
-    if isinstance(state, torch.Tensor):
-        return state.detach().to("cpu", copy=True)
-    if isinstance(state, dict):
-        return {key: snapshot(value) for key, value in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(snapshot(value) for value in state)
-    return state
+@dataclass
+class TrainState:
+    """One rank's part of the training state: tensors (DCP) and JSON-able values (``rank_<r>.json``)."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def rank_file(rank: int) -> str:
+    return f"rank_{rank:05d}.json"
+
+
+# -- reading DCP's metadata without running pickle code ---------------------------------------------
+_METADATA_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", name) for name in (
+        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")
+} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+     ("collections", "OrderedDict")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if (module, name) not in _METADATA_CLASSES and not dtype:
+            raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not DCP metadata")
+        return super().find_class(module, name)
+
+
+def read_metadata(directory: Path) -> Metadata:
+    with (directory / ".metadata").open("rb") as handle:
+        metadata = _MetadataUnpickler(handle).load()
+    if not isinstance(metadata, Metadata):
+        raise pickle.UnpicklingError("checkpoint metadata is not DCP metadata")
+    return metadata
+
+
+class _SafeReader(FileSystemReader):
+    """DCP's file reader, reading ``.metadata`` with the restricted unpickler above."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        metadata = read_metadata(Path(self.path))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def check_complete(directory: Path) -> dict[str, Any]:
+    """The trainer state of a checkpoint whose files are all there and whole; raises otherwise."""
+    metadata = read_metadata(directory)
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        path = str(info.relative_path)
+        needed[path] = max(needed.get(path, 0), info.offset + info.length)
+    for name, size in needed.items():
+        have = (directory / name).stat().st_size
+        if have < size:
+            raise ValueError(f"{name} holds {have} bytes, its metadata says at least {size}")
+    return json.loads((directory / TRAINER_FILE).read_text())
 
 
 class Checkpointer:
+    """Saves and finds checkpoints of one run. ``group``: the ranks that write together (``None``:
+    the default group when one exists); ``collective=False``: this process reads and writes alone."""
+
     def __init__(self, directory: str | Path, keep: int = 3, async_save: bool = False,
-                 write_hook: WriteHook | None = None) -> None:
+                 write_hook: WriteHook | None = None, *, rank: int | None = 0, group: Any = None,
+                 collective: bool = False) -> None:
         self.directory = Path(directory)
         self.keep, self.async_save, self.write_hook = keep, async_save, write_hook
+        self.rank, self.group, self.collective = rank, group, collective
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self.write_ms: list[float] = []  # how long each file took to write, wherever it was written
+        self._cleaned = False
+        self.write_ms: list[float] = []  # how long each checkpoint took to reach the disk, from the save call
+
+    @property
+    def coordinator(self) -> bool:
+        return self.rank == 0  # rank: this process's rank among the writers; None for a reader only
 
     def path_for(self, step: int) -> Path:
-        return self.directory / f"step_{step:08d}.pt"
+        return self.directory / step_name(step)
 
-    def save(self, step: int, state: dict[str, Any]) -> None:
-        """Save ``state`` as the checkpoint of ``step``; returns once training may go on."""
-        self.wait()
-        if not self.async_save:
-            self._write(step, state)
+    # -- saving ------------------------------------------------------------------------------------
+    def _clean_partials(self) -> None:
+        """Once, before the first save: rank 0 removes what a crashed save left, then all go on together
+        (so nobody writes into a folder that is about to be removed)."""
+        if self._cleaned:
             return
-        copy = snapshot(state)
-        self._thread = threading.Thread(target=self._write_in_background, args=(step, copy),
+        if self.coordinator and self.directory.is_dir():
+            for leftover in self.directory.glob(f"step_*{PARTIAL}"):
+                shutil.rmtree(leftover, ignore_errors=True)
+        if self.collective:
+            dist.barrier(group=self.group)
+        self._cleaned = True
+
+    def save(self, step: int, state: TrainState, trainer: dict[str, Any] | None = None) -> None:
+        """Save this rank's ``state`` as part of the checkpoint of ``step`` (rank 0 also gives the
+        ``trainer`` state); returns once training may go on."""
+        self.wait()
+        self._clean_partials()
+        start = time.perf_counter()
+        partial = self.directory / (step_name(step) + PARTIAL)
+        partial.mkdir(parents=True, exist_ok=True)
+        assert self.rank is not None, "a reader-only checkpointer does not save"
+        _write_json(partial / rank_file(self.rank), state.meta)
+        if self.coordinator:
+            _write_json(partial / TRAINER_FILE, trainer or {})
+        writer = FileSystemWriter(partial)
+        options = {"storage_writer": writer, "process_group": self.group, "no_dist": not self.collective}
+        if not self.async_save:
+            dcp.save(state.tensors, **options)
+            self._finish(step, partial, start)
+            return
+        future = dcp.async_save(state.tensors, **options)  # copies to CPU memory, then writes in the background
+        self._thread = threading.Thread(target=self._finish_in_background, args=(future, step, partial, start),
                                         name=f"checkpoint-{step}", daemon=True)
         self._thread.start()
+
+    def _finish_in_background(self, future: Any, step: int, partial: Path, start: float) -> None:
+        try:
+            future.result()
+            self._finish(step, partial, start)
+        except BaseException as exc:  # handed to the training thread by wait()
+            self._error = exc
+
+    def _finish(self, step: int, partial: Path, start: float) -> None:
+        """Every rank's data and DCP's metadata are on disk: rank 0 makes the checkpoint visible."""
+        if self.coordinator:
+            if self.write_hook is not None:
+                self.write_hook(step, partial / "__0_0.distcp")
+            final = self.path_for(step)
+            if final.exists():  # an earlier attempt's checkpoint of the same step: replaced whole
+                shutil.rmtree(final)
+            partial.rename(final)
+            _fsync_dir(self.directory)
+            self._prune()
+        self.write_ms.append((time.perf_counter() - start) * 1e3)
 
     def wait(self) -> None:
         """Block until the save in flight is on disk; re-raise its error if it failed."""
@@ -73,70 +210,83 @@ class Checkpointer:
             error, self._error = self._error, None
             raise error
 
-    def _write_in_background(self, step: int, state: dict[str, Any]) -> None:
-        try:
-            self._write(step, state)
-        except BaseException as exc:  # handed to the training thread by wait()
-            self._error = exc
+    def _prune(self) -> None:
+        for step in self.steps()[: -self.keep]:
+            shutil.rmtree(self.path_for(step), ignore_errors=True)
 
-    def _write(self, step: int, state: dict[str, Any]) -> None:
-        def write(tmp: Path) -> None:
-            torch.save(state, tmp)
-            if self.write_hook is not None:
-                self.write_hook(step, tmp)
-
-        start = time.perf_counter()
-        atomic_write(self.path_for(step), write)
-        self.write_ms.append((time.perf_counter() - start) * 1e3)
-        self._prune()
-
+    # -- finding and loading -----------------------------------------------------------------------
     def steps(self) -> list[int]:
+        """Steps with a checkpoint directory that was renamed into place (complete when written)."""
         if not self.directory.is_dir():
             return []
-        found = (_NAME.match(p.name) for p in self.directory.iterdir())
-        return sorted(int(m.group(1)) for m in found if m)
+        found = []
+        for path in self.directory.iterdir():
+            name = path.name
+            if path.is_dir() and name.startswith("step_") and name[5:].isdigit():
+                found.append(int(name[5:]))
+        return sorted(found)
+
+    def legacy_files(self) -> list[Path]:
+        """Single-file checkpoints of mlscale before sharded checkpoints; they cannot be resumed."""
+        return sorted(self.directory.glob("step_*.pt")) if self.directory.is_dir() else []
 
     def latest(self) -> Path | None:
         steps = self.steps()
         return self.path_for(steps[-1]) if steps else None
 
-    def load(self, path: str | Path) -> dict[str, Any]:
-        return torch.load(path, map_location="cpu", weights_only=True)
-
-    def load_latest(self) -> tuple[Path, dict[str, Any]] | None:
-        """The newest checkpoint that loads, newest first; ``None`` when there is none."""
+    def latest_complete(self) -> tuple[int, dict[str, Any]] | None:
+        """The newest checkpoint whose files are whole, with its trainer state; ``None`` when none is.
+        Every rank reads the same files, so every rank picks the same checkpoint."""
         for step in reversed(self.steps()):
             path = self.path_for(step)
             try:
-                return path, self.load(path)
-            except Exception as exc:  # a damaged file: say so and fall back to the one before
-                print(f"mlscale: skipping damaged checkpoint {path}: {type(exc).__name__}: {exc}", file=sys.stderr)
+                return step, check_complete(path)
+            except Exception as exc:  # a damaged checkpoint: say so and fall back to the one before
+                if self.coordinator:
+                    print(f"mlscale: skipping damaged checkpoint {path}: {type(exc).__name__}: {exc}",
+                          file=sys.stderr)
         return None
 
-    def _prune(self) -> None:
-        for step in self.steps()[: -self.keep]:
-            self.path_for(step).unlink(missing_ok=True)
+    def load(self, step: int, template: TrainState) -> TrainState:
+        """Fill ``template.tensors`` (this rank's tensors, in the layout it trains with) from the
+        checkpoint of ``step``, resharding as needed; the JSON part is this rank's, or rank 0's when
+        the checkpoint had no such rank."""
+        path = self.path_for(step)
+        dcp.load(template.tensors, storage_reader=_SafeReader(path), process_group=self.group,
+                 no_dist=not self.collective)
+        own = path / rank_file(self.rank) if self.rank is not None else None
+        mine = own is not None and own.exists()
+        meta = json.loads((own if mine else path / rank_file(0)).read_text())
+        return TrainState(template.tensors, {**meta, "own": mine})
 
 
+def _write_json(path: Path, value: Any) -> None:
+    text = json.dumps(value, allow_nan=True)
+    atomic_write(path, lambda tmp: tmp.write_text(text))
+
+
+# -- random number generators as JSON ---------------------------------------------------------------
 def capture_rng() -> dict[str, Any]:
-    """Every random number generator a training step may draw from, as plain data."""
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    """Every random number generator a training step may draw from, as JSON-able values."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
     state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": pos,
-                  "has_gauss": has_gauss, "gauss": gauss},
-        "torch": torch.get_rng_state(),
+        "python": [version, list(internal), gauss],
+        "numpy": {"kind": kind, "keys": keys.tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
+                  "gauss": float(cached)},
+        "torch": torch.get_rng_state().tolist(),
     }
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
     return state
 
 
 def restore_rng(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
     numpy_state = state["numpy"]
-    np.random.set_state((numpy_state["kind"], numpy_state["keys"].numpy().astype(np.uint32), numpy_state["pos"],
+    np.random.set_state((numpy_state["kind"], np.array(numpy_state["keys"], dtype=np.uint32), numpy_state["pos"],
                          numpy_state["has_gauss"], numpy_state["gauss"]))
-    torch.set_rng_state(state["torch"])
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])

@@ -3,8 +3,9 @@
 The trainer owns the loop, the data, checkpoints and metrics; a strategy owns one training step. The
 trainer calls only what is here and never asks which strategy runs. A strategy may give ranks different
 roles: ranks that read data and compute gradients (every rank under ddp; the workers of a parameter
-server), and ranks that read none (the servers). Only ranks that *keep records* take part in logs,
-checkpoints and the report, and the strategy says how their records are shared.
+server; the first pipeline stage), and ranks that read none (the servers). Only ranks that *keep
+records* take part in logs and the report, and the strategy says how their records are shared;
+*checkpoint ranks* write their own part of every checkpoint (torch.distributed.checkpoint).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch import nn
 
 from mlscale.config import TrainConfig
 from mlscale.data import Position
+from mlscale.train.checkpoint import TrainState
 from mlscale.train.dist import DistEnv
 from mlscale.train.timing import CommTimer
 
@@ -140,6 +142,11 @@ class Strategy(ABC):
         return list(range(world))
 
     @classmethod
+    def checkpoint_ranks(cls, config: TrainConfig, world: int) -> list[int]:
+        """The ranks that hold training state and write checkpoints together (the others only read)."""
+        return list(range(world))
+
+    @classmethod
     def check(cls, config: TrainConfig, world: int) -> None:
         """Refuse, with a ``UsageError``, options this strategy cannot honour."""
         return None
@@ -168,13 +175,17 @@ class Strategy(ABC):
         """Every record keeper's rows of floats, in rank order (a collective among record keepers)."""
 
     @abstractmethod
-    def state_dict(self) -> dict[str, Any] | None:
-        """The full training state (``model``, ``optimizer``, ``scheduler``, ``scaler``, ``rng``) in the
-        form of an unsplit model, on rank 0; ``None`` elsewhere. A collective among record keepers."""
+    def train_state(self) -> TrainState:
+        """This rank's part of the training state for a checkpoint (model, optimizer, schedule, scaler),
+        keyed by the unsplit model's names; sharded tensors stay ``DTensor``. Called on checkpoint ranks."""
+
+    def state_template(self) -> TrainState:
+        """Tensors to load a checkpoint into, in this rank's layout (every rank that resumes)."""
+        return self.train_state()
 
     @abstractmethod
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Take this rank's part of a state written by ``state_dict`` (on every rank)."""
+    def load_train_state(self, state: TrainState) -> None:
+        """Take the filled ``state_template()``; its ``meta`` is this rank's saved one (or rank 0's)."""
 
     @abstractmethod
     def full_model(self) -> nn.Module | None:

@@ -13,10 +13,12 @@ import random
 import sys
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from mlscale.config import TrainConfig
 from mlscale.data import Position, ShardLoader, steps_per_epoch
@@ -24,7 +26,7 @@ from mlscale.errors import MlscaleError
 from mlscale.lineage import code_version, data_fingerprint
 from mlscale.rundir import RunDir
 from mlscale.tasks import make_task
-from mlscale.train.checkpoint import Checkpointer
+from mlscale.train.checkpoint import Checkpointer, capture_rng, restore_rng
 from mlscale.train.dist import DistEnv
 from mlscale.train.faults import FaultInjector
 from mlscale.train.progress import Progress
@@ -99,9 +101,7 @@ class Trainer:
                                     log_path=run_dir.logs / "faults.jsonl", data_ranks=data_ranks, seed=config.seed)
         self.total_steps = total_steps(config, len(self.train_data), self.shards)
         self.global_batch = config.batch_size * self.shards
-        self.checkpointer = Checkpointer(run_dir.checkpoints, keep=config.keep_checkpoints,
-                                         async_save=config.async_checkpoint,
-                                         write_hook=self.faults.during_checkpoint_write)
+        self.checkpointer = self._make_checkpointer(strategy_type.checkpoint_ranks(config, env.world_size))
         self.checkpoint_stalls_ms: list[float] = []
         self.stragglers = StragglerDetector(threshold=config.straggler_threshold)
 
@@ -109,17 +109,17 @@ class Trainer:
         self.positions = {shard: Position() for shard in range(self.shards)}
         self.resumed_from: int | None = None
         self.resumed_world_size: int | None = None
-        state = self._latest_state() if config.resume or env.attempt > 0 else None
-        if state is not None:
-            self.step = state["step"]
+        found = self._latest_checkpoint() if config.resume or env.attempt > 0 else None
+        if found is not None:
+            self.step = found[1]["step"]
         self.local_steps = self.step  # steps this rank has computed (equal to global steps under ddp)
         torch.manual_seed(config.seed)  # the same initial weights on every rank
         model = self.task.build_model().to(dtype=self.dtype, device=env.device)
         self._seed_rank_rngs()
         self.strategy.setup(Setup(model=model, make_learner=self._make_learner, loss_fn=self.task.loss_fn,
                                   total_steps=self.total_steps, start_step=self.step, global_batch=self.global_batch))
-        if state is not None:
-            self._restore(state)
+        if found is not None:
+            self._restore(*found)
         self.heartbeat = Heartbeat(run_dir.path / "heartbeat", env.attempt, env.rank)
         self.recovery: RecoveryTracker | None = None
         self.progress: Progress | None = None
@@ -147,40 +147,58 @@ class Trainer:
         random.seed(seed)
         np.random.seed(seed % 2**32)
 
-    def _latest_state(self) -> dict[str, Any] | None:
-        found = self.checkpointer.load_latest()
-        if found is None:
-            if self.checkpointer.steps():  # checkpoints exist but none loads: never start over silently
-                raise MlscaleError(f"no checkpoint in {self.run_dir.checkpoints} loads (all "
-                                   f"{len(self.checkpointer.steps())} are damaged); the run cannot resume")
-            return None  # a failure before the first checkpoint: the run starts from step 0
-        return found[1]
+    def _make_checkpointer(self, writers: list[int]) -> Checkpointer:
+        """Checkpoint ranks write together, on a gloo group of their own (a background save's collectives
+        must not interleave with training's); other ranks only read."""
+        group = None
+        if self.env.distributed and len(writers) > 1:
+            timeout = timedelta(seconds=self.config.collective_timeout_s)
+            group = dist.new_group(ranks=writers, backend="gloo", timeout=timeout)  # called on every rank
+        writer = self.env.rank in writers
+        return Checkpointer(self.run_dir.checkpoints, keep=self.config.keep_checkpoints,
+                            async_save=self.config.async_checkpoint, write_hook=self.faults.during_checkpoint_write,
+                            rank=writers.index(self.env.rank) if writer else None, group=group,
+                            collective=writer and group is not None)
 
-    def _restore(self, state: dict[str, Any]) -> None:
-        self.strategy.load_state_dict(state)
-        self.samples_seen = state["samples_seen"]
-        self.resumed_from, self.resumed_world_size = self.step, state["world_size"]
-        saved = state.get("positions")
-        if saved is not None and len(saved) == self.shards:
-            self.positions = {shard: Position(**where) for shard, where in enumerate(saved)}
+    def _latest_checkpoint(self) -> tuple[int, dict[str, Any]] | None:
+        legacy = self.checkpointer.legacy_files()
+        if legacy and not self.checkpointer.steps():
+            raise MlscaleError(f"{self.run_dir.checkpoints} holds single-file checkpoints ({legacy[-1].name}) of an "
+                               "older mlscale, which wrote one file from rank 0; this version writes sharded "
+                               "checkpoints and cannot resume them")
+        found = self.checkpointer.latest_complete()
+        if found is None and self.checkpointer.steps():  # checkpoints exist but none is whole: never start over
+            raise MlscaleError(f"no checkpoint in {self.run_dir.checkpoints} is complete (all "
+                               f"{len(self.checkpointer.steps())} are damaged); the run cannot resume")
+        return found  # None: a failure before the first checkpoint, the run starts from step 0
+
+    def _restore(self, step: int, saved: dict[str, Any]) -> None:
+        state = self.checkpointer.load(step, self.strategy.state_template())
+        self.strategy.load_train_state(state)
+        if state.meta["own"] and saved["world_size"] == self.env.world_size and "rng" in state.meta:
+            restore_rng(state.meta["rng"])
+        self.samples_seen = saved["samples_seen"]
+        self.resumed_from, self.resumed_world_size = self.step, saved["world_size"]
+        positions = saved["positions"]
+        if len(positions) == self.shards:
+            self.positions = {shard: Position(**where) for shard, where in enumerate(positions)}
         else:  # the same position on every shard, as data parallelism leaves it
-            self.positions = {shard: Position(**state["position"]) for shard in range(self.shards)}
-        old_batch = state.get("global_batch", self.config.batch_size * state["world_size"])
+            self.positions = {shard: Position(**saved["position"]) for shard in range(self.shards)}
+        old_batch = saved["global_batch"]
         if self.env.is_main and old_batch != self.global_batch:
-            old_workers = state.get("workers", state["world_size"])
-            print(f"mlscale: resuming step {self.step} of a {old_workers}-worker run on "
+            print(f"mlscale: resuming step {self.step} of a {saved['workers']}-worker run on "
                   f"{self.shards}: global batch {old_batch} -> {self.global_batch}"
                   f" (--batch-size {old_batch // self.shards} keeps it)", file=sys.stderr)
 
     def _checkpoint(self, final: bool = False) -> None:
         """Save a checkpoint; the time the training thread was held goes into the stall statistics
         (not for the final one, after which there is no training left to stall)."""
+        if self.checkpointer.rank is None:
+            return  # this rank holds no state of its own
         start = now()
-        state = self.strategy.state_dict()
-        if state is None:
-            return
-        self.checkpointer.save(self.step, {
-            **state,
+        state = self.strategy.train_state()
+        state.meta["rng"] = capture_rng()
+        self.checkpointer.save(self.step, state, trainer={
             "step": self.step,
             "samples_seen": self.samples_seen,
             "position": self.positions[0].as_dict(),

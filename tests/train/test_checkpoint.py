@@ -1,48 +1,94 @@
-"""Checkpoints are atomic: a crash while writing never damages the newest good one."""
+"""Checkpoints are sharded DCP directories, made visible by a rename: a crash while writing never
+damages the newest good one, a damaged one is skipped, and loading runs no pickle code."""
+
+import pickle
 
 import pytest
 import torch
 
-from mlscale.io import atomic_write
-from mlscale.train.checkpoint import Checkpointer, capture_rng, restore_rng
+from mlscale.train.checkpoint import Checkpointer, TrainState, capture_rng, read_metadata, restore_rng
+
+
+def _state(value: float, step: int = 0) -> TrainState:
+    return TrainState({"model/w": torch.full((3,), value)}, {"step": step})
+
+
+def _template() -> TrainState:
+    return TrainState({"model/w": torch.zeros(3)})
+
+
+def test_a_checkpoint_round_trips_tensors_and_json(tmp_path):
+    checkpoints = Checkpointer(tmp_path)
+    checkpoints.save(5, _state(2.0, step=5), trainer={"step": 5})
+    assert checkpoints.latest_complete() == (5, {"step": 5})
+    loaded = checkpoints.load(5, _template())
+    assert torch.equal(loaded.tensors["model/w"], torch.full((3,), 2.0))
+    assert loaded.meta == {"step": 5, "own": True}
+
+
+def test_an_async_save_is_visible_once_written(tmp_path):
+    checkpoints = Checkpointer(tmp_path, async_save=True)
+    checkpoints.save(3, _state(1.0), trainer={"step": 3})
+    checkpoints.wait()
+    assert checkpoints.steps() == [3]
+    assert not list(tmp_path.glob("*.partial"))
 
 
 def test_a_crash_mid_write_leaves_the_previous_checkpoint_as_latest(tmp_path):
     checkpoints = Checkpointer(tmp_path)
-    checkpoints.save(5, {"w": torch.ones(3)})
+    checkpoints.save(5, _state(1.0), trainer={"step": 5})
 
-    def crash(tmp):
-        tmp.write_bytes(b"half a checkpoint")
-        raise KeyboardInterrupt  # the process dies mid-write
+    def crash(step, partial_file):
+        raise KeyboardInterrupt  # the process dies after its data, before the rename
 
     with pytest.raises(KeyboardInterrupt):
-        atomic_write(checkpoints.path_for(10), crash)
-    assert checkpoints.latest() == checkpoints.path_for(5)
-    assert torch.equal(checkpoints.load(checkpoints.latest())["w"], torch.ones(3))
-    assert [p.name for p in tmp_path.iterdir()] == ["step_00000005.pt"]
+        Checkpointer(tmp_path, write_hook=crash).save(10, _state(9.0), trainer={"step": 10})
+    assert checkpoints.steps() == [5]
+    assert (tmp_path / "step_00000010.partial").is_dir()  # never taken for a checkpoint
+    assert checkpoints.latest_complete()[0] == 5
+    # The next writer removes what the crash left before it saves.
+    Checkpointer(tmp_path).save(6, _state(3.0), trainer={"step": 6})
+    assert not (tmp_path / "step_00000010.partial").exists()
 
 
-def test_a_leftover_temporary_file_is_never_taken_for_a_checkpoint(tmp_path):
+def test_a_truncated_shard_is_skipped_for_the_one_before(tmp_path, capsys):
     checkpoints = Checkpointer(tmp_path)
-    checkpoints.save(5, {"w": torch.ones(1)})
-    (tmp_path / ".step_00000010.pt.abc.tmp").write_bytes(b"torn")
-    assert checkpoints.latest() == checkpoints.path_for(5)
+    checkpoints.save(1, _state(1.0), trainer={"step": 1})
+    checkpoints.save(2, _state(2.0), trainer={"step": 2})
+    shard = tmp_path / "step_00000002" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:20])
+    assert checkpoints.latest_complete() == (1, {"step": 1})
+    assert "skipping damaged checkpoint" in capsys.readouterr().err
+
+
+def test_metadata_that_names_other_code_is_refused(tmp_path):
+    checkpoints = Checkpointer(tmp_path)
+    checkpoints.save(1, _state(1.0), trainer={"step": 1})
+
+    class Evil:
+        def __reduce__(self):
+            return (print, ("pwned",))
+
+    (tmp_path / "step_00000001" / ".metadata").write_bytes(pickle.dumps(Evil()))
+    with pytest.raises(pickle.UnpicklingError, match=r"builtins\.print"):
+        read_metadata(tmp_path / "step_00000001")
+    assert checkpoints.latest_complete() is None
 
 
 def test_only_the_newest_k_are_kept(tmp_path):
     checkpoints = Checkpointer(tmp_path, keep=2)
     for step in (1, 2, 3, 4):
-        checkpoints.save(step, {"step": step})
+        checkpoints.save(step, _state(float(step)), trainer={"step": step})
     assert checkpoints.steps() == [3, 4]
 
 
-def test_rng_states_round_trip_through_a_weights_only_checkpoint(tmp_path):
+def test_rng_states_round_trip_through_json(tmp_path):
     import random
 
     import numpy as np
 
     checkpoints = Checkpointer(tmp_path)
-    checkpoints.save(1, {"rng": capture_rng()})
+    checkpoints.save(1, TrainState({"x": torch.zeros(1)}, {"rng": capture_rng()}), trainer={"step": 1})
     expected = (random.random(), np.random.rand(), torch.rand(1))
-    restore_rng(checkpoints.load(checkpoints.latest())["rng"])
+    restore_rng(checkpoints.load(1, TrainState({"x": torch.zeros(1)})).meta["rng"])
     assert (random.random(), np.random.rand(), torch.rand(1)) == expected

@@ -5,16 +5,15 @@ backward pass. A timing comm hook wraps DDP's own all-reduce hook so communicati
 estimated. With one worker nothing is wrapped and no process group exists.
 """
 
-from typing import Any
-
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from mlscale.train.checkpoint import capture_rng, restore_rng
-from mlscale.train.dist import all_gather_floats, all_gather_objects
+from mlscale.train.checkpoint import TrainState
+from mlscale.train.dist import all_gather_floats
+from mlscale.train.state import load_module_state, module_state
 from mlscale.train.strategy import Batch, Learner, Setup, StepResult, StepRow, Strategy
 from mlscale.train.timing import CommTimer, now
 
@@ -70,17 +69,14 @@ class DDPStrategy(Strategy):
         (own,) = rows
         return all_gather_floats(self.env, own)
 
-    def state_dict(self) -> dict[str, Any] | None:
-        rngs = all_gather_objects(self.env, capture_rng())
-        if not self.env.is_main:
-            return None
-        return {"model": self.plain.state_dict(), **self.learner.state_dict(), "rng": rngs}
+    def train_state(self) -> TrainState:
+        return module_state(self.module, self.learner)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.plain.load_state_dict(state["model"])
-        self.learner.load_state_dict(state)
-        if len(state["rng"]) == self.env.world_size:
-            restore_rng(state["rng"][self.env.rank])
+    def state_template(self) -> TrainState:
+        return module_state(self.module, self.learner, for_load=True)
+
+    def load_train_state(self, state: TrainState) -> None:
+        load_module_state(self.module, self.learner, state)
 
     def full_model(self) -> nn.Module | None:
         return self.plain if self.env.is_main else None

@@ -34,6 +34,8 @@ from torch import nn
 
 from mlscale.config import TrainConfig
 from mlscale.errors import UsageError
+from mlscale.train.checkpoint import TrainState
+from mlscale.train.state import MODEL, load_module_state, module_state
 from mlscale.train.strategies.ps_messages import (
     Header,
     Reply,
@@ -100,7 +102,7 @@ class ParameterServerStrategy(Strategy):
         self.server_group = (dist.new_group(ranks=list(range(self.servers)), backend="gloo", timeout=timeout)
                              if self.servers > 1 else None)
         self.model = setup.model
-        self.params = list(setup.model.parameters())
+        self.names, self.params = map(list, zip(*setup.model.named_parameters()))
         if len(self.params) < self.servers:
             raise UsageError(f"bad value ps-servers={self.servers}: the model has only {len(self.params)} parameter "
                              "tensor(s) to shard (each server holds whole tensors)")
@@ -172,34 +174,31 @@ class ParameterServerStrategy(Strategy):
             return None
         return [payload] + [receive_state(src=server, group=self.control) for server in range(1, self.servers)]
 
-    def state_dict(self) -> dict[str, Any] | None:
-        gathered = self._gather_shards({"params": [p.detach().cpu() for p in self.shard.params],
-                                        "learner": self.shard.learner.state_dict()})
-        if gathered is None:
-            return None
-        self._fill_model(gathered)
-        optimizer: dict[str, Any] = {"state": {}, "param_groups": []}
-        for indices, part in zip(self.shards, gathered):
-            local = part["learner"]["optimizer"]
-            optimizer["state"].update({indices[i]: value for i, value in local["state"].items()})
-            if not optimizer["param_groups"]:
-                optimizer["param_groups"] = [{**local["param_groups"][0], "params": list(range(len(self.params)))}]
-        learner = gathered[0]["learner"]
-        return {"model": self.model.state_dict(), "optimizer": optimizer, "scheduler": learner["scheduler"],
-                "scaler": learner["scaler"], "rng": [], "parameter_server": self.sequencer.counters()}
+    @classmethod
+    def checkpoint_ranks(cls, config: TrainConfig, world: int) -> list[int]:
+        return list(range(config.ps_servers))  # each server writes its shard; workers hold no state of their own
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])  # workers start their next step from these weights
+    def _own_names(self) -> set[str]:
+        return {self.names[i] for i in self.shards[self.env.rank]}
+
+    def train_state(self) -> TrainState:
+        state = module_state(self.model, self.shard.learner, only=self._own_names())
+        if self.env.rank == 0:
+            state.meta["parameter_server"] = self.sequencer.counters()
+        return state
+
+    def state_template(self) -> TrainState:
+        if self.is_server:
+            return module_state(self.model, self.shard.learner, for_load=True, only=self._own_names())
+        # A worker reads the whole model (it starts its next step from these weights), straight into it.
+        return TrainState({MODEL + name: p.data for name, p in zip(self.names, self.params)})
+
+    def load_train_state(self, state: TrainState) -> None:
         if not self.is_server:
-            return
-        indices = self.shards[self.env.rank]
-        full = state["optimizer"]
-        local = {"state": {i: full["state"][g] for i, g in enumerate(indices) if g in full["state"]},
-                 "param_groups": [{**full["param_groups"][0], "params": list(range(len(indices)))}]}
-        self.shard.learner.load_state_dict({"optimizer": local, "scheduler": state["scheduler"],
-                                            "scaler": state["scaler"]})
-        if "parameter_server" in state:
-            self.sequencer.restore_counters(state["parameter_server"])
+            return  # loaded in place
+        load_module_state(self.model, self.shard.learner, state, strict=False)
+        if "parameter_server" in state.meta:
+            self.sequencer.restore_counters(state.meta["parameter_server"])
 
     def _fill_model(self, gathered: list[dict[str, Any]]) -> None:
         for indices, part in zip(self.shards, gathered):

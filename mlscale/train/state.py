@@ -1,0 +1,72 @@
+"""A model and its update rule as checkpoint state, in the names of the unsplit model.
+
+``torch.distributed.checkpoint.state_dict`` turns a plain module, a DDP or FSDP2 module, a tensor
+parallel module or a pipeline stage, and its optimizer, into state keyed by the parameters' fully
+qualified names (sharded tensors stay ``DTensor``); every strategy builds its part of a checkpoint
+from it, so checkpoints of different strategies and world sizes share one key space.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    _init_optim_state,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+from mlscale.train.checkpoint import TrainState
+from mlscale.train.strategy import Learner
+
+MODEL, OPTIMIZER = "model/", "optimizer/"
+
+
+def module_state(model: nn.Module, learner: Learner, *, for_load: bool = False,
+                 only: Collection[str] | None = None) -> TrainState:
+    """``model`` and ``learner`` as tensors and JSON; ``only``: keep just these parameter names.
+    ``for_load``: a template to load into, so the optimizer's state is created first (zeros: a fresh
+    optimizer has none, and DCP fills only the tensors it is given)."""
+    if for_load:
+        _init_optim_state(learner.optimizer)  # what DCP's own set_state_dict does before loading
+    model_state, optimizer_state = get_state_dict(model, learner.optimizer)
+    tensors = {MODEL + name: value for name, value in model_state.items() if only is None or name in only}
+    extra: dict[str, dict[str, Any]] = {}
+    for name, values in optimizer_state["state"].items():
+        for key, value in values.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{OPTIMIZER}{name}/{key}"] = value
+            else:
+                extra.setdefault(name, {})[key] = value
+    groups = [{key: value for key, value in group.items() if key != "params"}
+              for group in optimizer_state["param_groups"]]
+    meta = {"optimizer_groups": groups, "optimizer_extra": extra, "scheduler": learner.scheduler.state_dict(),
+            "scaler": learner.scaler.state_dict()}
+    return TrainState(tensors, meta)
+
+
+def load_module_state(model: nn.Module, learner: Learner, state: TrainState, *, strict: bool = True) -> None:
+    """Put ``state`` (filled from a checkpoint) into ``model`` and ``learner``."""
+    model_state = {name[len(MODEL):]: value for name, value in state.tensors.items() if name.startswith(MODEL)}
+    optimizer: dict[str, dict[str, Any]] = {}
+    for name, value in state.tensors.items():
+        if name.startswith(OPTIMIZER):
+            fqn, key = name[len(OPTIMIZER):].rsplit("/", 1)
+            optimizer.setdefault(fqn, {})[key] = value
+    for fqn, values in state.meta.get("optimizer_extra", {}).items():
+        if fqn in optimizer:
+            optimizer[fqn].update(values)
+    # The parameter lists are this rank's (a layout may differ from the writer's); the values are saved ones.
+    groups = get_optimizer_state_dict(model, learner.optimizer)["param_groups"]
+    for group, saved in zip(groups, state.meta["optimizer_groups"]):
+        group.update(saved)
+    set_state_dict(model, learner.optimizer, model_state_dict=model_state,
+                   optim_state_dict={"state": optimizer, "param_groups": groups},
+                   options=StateDictOptions(strict=strict))
+    learner.scheduler.load_state_dict(state.meta["scheduler"])
+    learner.scaler.load_state_dict(state.meta["scaler"])
