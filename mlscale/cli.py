@@ -43,13 +43,28 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                        "overridden by the flags given here.",
                        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", metavar="FILE", help="TOML or JSON file with any of the keys below")
-    p.add_argument("--task", help="built-in task (digits, digits-cnn, synthetic), a factory declared with "
+    p.add_argument("--task", help="built-in task (digits, digits-cnn, synthetic, tinylm), a factory declared with "
                    "@mlscale.declare_task (package.module:factory) or an installed mlscale.tasks entry point")
     p.add_argument("--task-opt", action="append", type=_task_option, metavar="KEY=VALUE",
                    help="option passed to the task factory (repeatable), e.g. hidden=256")
-    p.add_argument("--workers", type=int, help="data-parallel workers: processes that read data and compute "
-                   "gradients (default 1)")
-    p.add_argument("--strategy", help="parallel strategy: ddp (default: all-reduce) or ps (parameter server)")
+    p.add_argument("--workers", type=int, help="processes (default 1): data-parallel replicas under ddp and fsdp, "
+                   "ranks splitting one replica under tp, stages x replicas under pipeline, workers besides the "
+                   "servers under ps")
+    p.add_argument("--strategy", help="ddp (default: full replicas, gradients all-reduced), fsdp (parameters, "
+                   "gradients and optimizer state sharded over the workers), tp (tensor parallel transformer "
+                   "blocks), pipeline (the model's blocks split into stages) or ps (parameter server)")
+    mp = p.add_argument_group("pipeline (--strategy pipeline)")
+    mp.add_argument("--stages", type=int, metavar="P", help="stages the model's blocks are split into, balanced by "
+                    "parameter count (default 2); --workers must be a multiple: workers / P data-parallel replicas")
+    mp.add_argument("--microbatches", type=int, metavar="M",
+                    help="microbatches each batch is cut into; must divide --batch-size (default 4). The idle "
+                    "share of each stage, the bubble, is (P-1)/(M+P-1)")
+    mp.add_argument("--schedule", help="1f1b (default: one forward, one backward; holds at most P microbatches' "
+                    "activations) or gpipe (all forwards, then all backwards)")
+    p.add_argument("--memory-limit-mb", type=float, metavar="MB",
+                   help="cap every process's memory for training (model, gradients, optimizer state, activations) "
+                   "at MB above what it holds when it starts; a process over it fails with a clear message. "
+                   "Shows what fits on one device and what needs fsdp or pipeline")
     ps = p.add_argument_group("parameter server (--strategy ps)")
     ps.add_argument("--sync", help="bsp (default: every step waits for all workers), ssp (bounded staleness) or "
                     "async (every gradient applied as it arrives)")
@@ -63,7 +78,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     length = p.add_mutually_exclusive_group()
     length.add_argument("--steps", type=int, help="optimizer steps to run")
     length.add_argument("--epochs", type=float, help="passes over the training data (default 10)")
-    p.add_argument("--batch-size", type=int, help="samples per worker per step (default 32)")
+    p.add_argument("--batch-size", type=int, help="samples per data-parallel replica per step (default 32): "
+                   "a pipeline or tp replica of several processes still takes this many")
     p.add_argument("--lr", type=float, help="peak learning rate (default 0.05)")
     p.add_argument("--optimizer", help="sgd (default) or adam")
     p.add_argument("--seed", type=int, help="seed for weights, data order and every RNG (default 0)")
@@ -107,7 +123,8 @@ def _train(args: argparse.Namespace) -> int:
         "task", "workers", "strategy", "steps", "epochs", "batch_size", "lr", "optimizer", "seed", "dtype",
         "precision", "device", "run_dir", "resume", "checkpoint_every", "keep_checkpoints", "async_checkpoint",
         "max_restarts", "collective_timeout_s", "faults", "log_every", "sync", "staleness", "ps_servers",
-        "backup_workers", "straggler_threshold", "simulated_compute_ms", "progress")}
+        "backup_workers", "straggler_threshold", "simulated_compute_ms", "progress", "stages", "microbatches",
+        "schedule", "memory_limit_mb")}
     if args.task_opt:
         overrides["task_options"] = dict(args.task_opt)
     config = build_config(args.config, **overrides)
@@ -144,9 +161,13 @@ def _plot(run_dir: str) -> str | None:
 
 def print_train_summary(report: dict[str, Any]) -> None:
     eval_text = ", ".join(f"{k} {v:.4f}" for k, v in report["eval"].items())
-    workers = report.get("workers", report["world_size"])
-    others = report["world_size"] - workers
-    layout = f"{workers} worker(s)" + (f" + {others} server(s)" if others else "")
+    workers, world = report.get("workers", report["world_size"]), report["world_size"]
+    if report.get("parameter_server"):
+        layout = f"{workers} worker(s) + {world - workers} server(s)"
+    elif workers != world:  # a replica spans several processes
+        layout = f"{world} processes, {workers} data-parallel replica(s)"
+    else:
+        layout = f"{workers} worker(s)"
     rows = [
         ("task", f"{report['task']} ({report['strategy']}, {layout})"),
         ("steps", f"{report['steps']} ({report['samples_seen']:,} samples)"),
@@ -164,6 +185,14 @@ def print_train_summary(report: dict[str, Any]) -> None:
     if server:
         rows.append(("parameter server", f"{server['sync']}, {server['gradients_applied']:,} gradients applied, "
                      f"{server['gradients_dropped']:,} dropped, staleness max {server['staleness']['max']}"))
+    pipeline = report.get("pipeline")
+    if pipeline:
+        rows.append(("pipeline", f"{pipeline['stages']} stages, {pipeline['microbatches']} microbatches, "
+                     f"{pipeline['schedule']}: {pipeline['split']}"))
+    memory = report.get("memory")
+    if memory:
+        rows.append(("state memory", ", ".join(f"rank {m['rank']} {m['state_mb']:.1f} MB" for m in memory[:8])
+                     + (" ..." if len(memory) > 8 else "") + " (parameters + gradients + optimizer state)"))
     if report.get("model_uri"):
         rows.append(("registered", report["model_uri"]))
     if report.get("plot"):

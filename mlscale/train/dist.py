@@ -103,3 +103,25 @@ def all_gather_objects(env: DistEnv, obj: object) -> list[object]:
     out: list[object] = [None] * env.world_size
     dist.all_gather_object(out, obj)
     return out
+
+
+def all_gather_rows(env: DistEnv, rows: list[list[float]]) -> list[list[float]]:
+    """Every rank's rows of floats, in rank order, where ranks may have different numbers of rows
+    (some none) of one common length."""
+    if not env.distributed:
+        return rows
+    device = env.device if env.device.type == "cuda" else torch.device("cpu")
+    width = len(rows[0]) if rows else 0
+    shape = torch.tensor([len(rows), width], dtype=torch.int64, device=device)
+    shapes = [torch.empty_like(shape) for _ in range(env.world_size)]
+    dist.all_gather(shapes, shape)
+    most = max(int(s[0]) for s in shapes)
+    width = max(int(s[1]) for s in shapes)
+    if most == 0:
+        return []
+    local = torch.full((most, width), float("nan"), dtype=torch.float64, device=device)
+    if rows:
+        local[: len(rows)] = torch.tensor(rows, dtype=torch.float64, device=device)
+    gathered = [torch.empty_like(local) for _ in range(env.world_size)]
+    dist.all_gather(gathered, local)
+    return [row for t, s in zip(gathered, shapes) for row in t[: int(s[0])].cpu().tolist()]

@@ -103,7 +103,7 @@ def check_job(config: TrainConfig, train_size: int, world: int) -> None:
 
     strategy = strategy_class(config.strategy)
     strategy.check(config, world)
-    workers = len(strategy.data_ranks(config, world))
+    workers = strategy.replicas(config, world)
     if steps_per_epoch(train_size, workers, config.batch_size) == 0:
         raise UsageError(f"bad value batch-size={config.batch_size}: {config.batch_size} per worker x {workers} "
                          f"worker(s) is more than the {train_size:,} training samples of task {config.task!r}")

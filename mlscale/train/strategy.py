@@ -116,6 +116,7 @@ class Setup:
     """What a strategy is given once, before the first step."""
 
     model: nn.Module  # the plain model, built with the same seed on every rank
+    build_model: Callable[[], nn.Module]  # another plain model (different weights), to gather a split one into
     make_learner: MakeLearner
     loss_fn: LossFn
     total_steps: int
@@ -129,6 +130,7 @@ class Strategy(ABC):
     def __init__(self, env: DistEnv, config: TrainConfig) -> None:
         self.env, self.config = env, config
         self.comm = CommTimer()
+        self.shards = type(self).replicas(config, env.world_size)  # data shards, one per replica
 
     # -- layout (also asked before any process starts) ---------------------------------------------
     @classmethod
@@ -137,9 +139,15 @@ class Strategy(ABC):
         return config.workers
 
     @classmethod
-    def data_ranks(cls, config: TrainConfig, world: int) -> list[int]:
-        """The ranks that read data and compute gradients, in data-shard order."""
+    def data_shards(cls, config: TrainConfig, world: int) -> list[int | None]:
+        """Each rank's data shard (``None``: reads no data). One shard per data-parallel replica: ranks
+        of one replica (tensor-parallel peers, pipeline stages) read the same shard."""
         return list(range(world))
+
+    @classmethod
+    def replicas(cls, config: TrainConfig, world: int) -> int:
+        """Data-parallel replicas: the number of shards, each of ``--batch-size`` samples a step."""
+        return len({shard for shard in cls.data_shards(config, world) if shard is not None})
 
     @classmethod
     def checkpoint_ranks(cls, config: TrainConfig, world: int) -> list[int]:
@@ -190,6 +198,16 @@ class Strategy(ABC):
     @abstractmethod
     def full_model(self) -> nn.Module | None:
         """The plain trained model on rank 0 (``None`` elsewhere). A collective among record keepers."""
+
+    def memory(self) -> dict[str, float]:
+        """MB of this rank's parameters, gradients and optimizer state (``mlscale.train.memory``),
+        measured after a step; ``{}`` where a strategy does not measure it."""
+        return {}
+
+    @property
+    def simulates_compute(self) -> bool:
+        """Whether the strategy spends ``--simulated-compute-ms`` itself (else the trainer sleeps it)."""
+        return False
 
     def report(self) -> dict[str, Any]:
         """Strategy-specific fields for ``report.json`` (rank 0)."""

@@ -29,6 +29,7 @@ from mlscale.tasks import make_task
 from mlscale.train.checkpoint import Checkpointer, capture_rng, restore_rng
 from mlscale.train.dist import DistEnv
 from mlscale.train.faults import FaultInjector
+from mlscale.train.memory import MEMORY_KEYS, peak_memory_mb
 from mlscale.train.progress import Progress
 from mlscale.train.recovery import Heartbeat, RecoveryTracker, recovery_summary
 from mlscale.train.stragglers import StragglerDetector
@@ -93,9 +94,10 @@ class Trainer:
         self.dtype = getattr(torch, config.dtype)
         self.train_data = self.task.train.to(self.dtype)
         strategy_type = strategy_class(config.strategy)
-        data_ranks = strategy_type.data_ranks(config, env.world_size)
-        self.shard = data_ranks.index(env.rank) if env.rank in data_ranks else None  # None: reads no data
-        self.shards = len(data_ranks)
+        layout = strategy_type.data_shards(config, env.world_size)
+        self.shard = layout[env.rank]  # None: reads no data
+        self.shards = strategy_type.replicas(config, env.world_size)
+        data_ranks = [rank for rank, shard in enumerate(layout) if shard is not None]
         self.strategy = strategy_type(env, config)
         self.faults = FaultInjector(config.faults, env.rank, first_attempt=env.attempt == 0 and not config.resume,
                                     log_path=run_dir.logs / "faults.jsonl", data_ranks=data_ranks, seed=config.seed)
@@ -106,6 +108,7 @@ class Trainer:
         self.stragglers = StragglerDetector(threshold=config.straggler_threshold)
 
         self.step, self.samples_seen = 0, 0
+        self.memory: dict[str, float] | None = None
         self.positions = {shard: Position() for shard in range(self.shards)}
         self.resumed_from: int | None = None
         self.resumed_world_size: int | None = None
@@ -116,7 +119,8 @@ class Trainer:
         torch.manual_seed(config.seed)  # the same initial weights on every rank
         model = self.task.build_model().to(dtype=self.dtype, device=env.device)
         self._seed_rank_rngs()
-        self.strategy.setup(Setup(model=model, make_learner=self._make_learner, loss_fn=self.task.loss_fn,
+        self.strategy.setup(Setup(model=model, build_model=lambda: self.task.build_model().to(dtype=self.dtype),
+                                  make_learner=self._make_learner, loss_fn=self.task.loss_fn,
                                   total_steps=self.total_steps, start_step=self.step, global_batch=self.global_batch))
         if found is not None:
             self._restore(*found)
@@ -226,9 +230,11 @@ class Trainer:
         # a rank without data counts global steps.
         self.faults.before_step((self.local_steps if batch is not None else self.step) + 1)
         self.local_steps += 1
-        if batch is not None and self.config.simulated_compute_ms:
+        if batch is not None and self.config.simulated_compute_ms and not self.strategy.simulates_compute:
             time.sleep(self.config.simulated_compute_ms / 1e3)
         result = self.strategy.step(batch)
+        if self.memory is None:  # after the first step, when gradients and optimizer state exist
+            self.memory = self.strategy.memory()
         self.step = result.step
         self.samples_seen += result.samples
         self.positions.update(result.positions)
@@ -259,7 +265,8 @@ class Trainer:
             return float("nan")
         fixed = 3 + len(TIMING_KEYS)
         flagged = self.stragglers.observe(self.step, {int(r[0]): r[fixed:] for r in shared})
-        loss = sum(r[1] for r in shared) / len(shared)
+        with_loss = [r for r in shared if not math.isnan(r[1])]  # pipeline: only the last stages see one
+        loss = sum(r[1] for r in with_loss) / max(1, len(with_loss))
         if self.env.is_main:
             samples_per_s = window.samples / (now() - window.start)
             self.run_dir.append_metrics({
@@ -277,7 +284,7 @@ class Trainer:
             })
             if self.progress is not None:
                 self.progress.update(self.step, loss, samples_per_s, self.stragglers.describe_now())
-        return sum(r[2] for r in shared) / len(shared)
+        return sum(r[2] for r in with_loss) / max(1, len(with_loss))
 
     def run(self) -> dict[str, Any]:
         """Train to the end, checkpoint, evaluate, and (rank 0) write the report."""
@@ -334,6 +341,14 @@ class Trainer:
         model.train()
         return self.task.metrics_fn(outputs, data.targets)
 
+    def _share_memory(self) -> list[dict[str, float]]:
+        """Every record keeper's measured state memory and peak (a collective among them)."""
+        measured = self.memory or {}
+        own = [self.env.rank, *(measured.get(key, math.nan) for key in MEMORY_KEYS), peak_memory_mb(self.env.device)]
+        rows = self.strategy.share([own])
+        return [{"rank": int(row[0]), **dict(zip((*MEMORY_KEYS, "peak_mb"), row[1:]))}
+                for row in rows if not math.isnan(row[4])]
+
     def _finish(self, final_loss: float, measured: dict[int, list[tuple[float, ...]]], samples: int,
                 measure_from: tuple[float, int] | None) -> dict[str, Any]:
         end = now()
@@ -341,6 +356,7 @@ class Trainer:
                                      or ([[self.env.rank, *timing_medians([])]] if self.shard is not None else []))
         per_rank = [{"rank": int(r[0]), **{f"{key}_p50": value for key, value in zip(TIMING_KEYS, r[1:])}}
                     for r in shared]
+        memory = self._share_memory()
         model = self.strategy.full_model()
         if model is None:
             return {}
@@ -368,6 +384,7 @@ class Trainer:
                 "write_ms_p50": median(self.checkpointer.write_ms),
             },
             "per_rank": per_rank,
+            "memory": memory,
             "stragglers": sorted(self.stragglers.first_flagged),
             "straggler_detection": self.stragglers.summary(),
             **self.strategy.report(),

@@ -58,8 +58,8 @@ class ParameterServerStrategy(Strategy):
         return config.workers + config.ps_servers
 
     @classmethod
-    def data_ranks(cls, config: TrainConfig, world: int) -> list[int]:
-        return list(range(config.ps_servers, world))
+    def data_shards(cls, config: TrainConfig, world: int) -> list[int | None]:
+        return [None] * config.ps_servers + list(range(world - config.ps_servers))
 
     @classmethod
     def check(cls, config: TrainConfig, world: int) -> None:

@@ -1,0 +1,177 @@
+"""The ``tinylm`` task: a small decoder-only transformer language model over generated text.
+
+The corpus is made on the spot from a small English-like grammar (seeded, so every run sees the same
+text; nothing is downloaded) and read character by character. A sample is a window of ``seq_len + 1``
+characters: the model reads the first ``seq_len`` and predicts each next one.
+
+The model is plain PyTorch: embeddings, ``layers`` blocks (causal self-attention and an MLP, each
+with a residual and a pre-norm) in an ``nn.ModuleDict`` keyed "0".."n-1", a final norm and an output
+projection. Nothing in it knows about parallelism. Two habits let parallelisation code work on it from
+outside, as torchtitan's models do: attention infers its head count from the width of its projections
+(so a tensor-parallel split of the heads needs no change), and every part may be missing (``None``,
+or blocks deleted from ``layers``), so a pipeline stage is the model with the other stages' parts
+removed — keeping the unsplit model's parameter names.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from mlscale.tasks.base import Task, TensorData
+
+ALPHABET = " ,.abcdefghijklmnopqrstuvwxyz"
+
+_WORDS = {
+    "det": ["the", "a", "every", "one", "some"],
+    "adj": ["small", "quick", "old", "green", "quiet", "bright", "heavy", "tired", "clever", "cold"],
+    "noun": ["fox", "bird", "river", "stone", "child", "engine", "garden", "letter", "window", "cat", "ship"],
+    "verb": ["sees", "finds", "follows", "carries", "watches", "builds", "moves", "hears", "keeps"],
+    "prep": ["near", "under", "behind", "over", "beside", "past"],
+    "adv": ["slowly", "again", "today", "quietly", "often"],
+}
+
+
+def _phrase(rng: random.Random) -> str:
+    words = [rng.choice(_WORDS["det"])]
+    if rng.random() < 0.6:
+        words.append(rng.choice(_WORDS["adj"]))
+    words.append(rng.choice(_WORDS["noun"]))
+    return " ".join(words)
+
+
+def _sentence(rng: random.Random) -> str:
+    parts = [_phrase(rng), rng.choice(_WORDS["verb"]), _phrase(rng)]
+    if rng.random() < 0.5:
+        parts += [rng.choice(_WORDS["prep"]), _phrase(rng)]
+    if rng.random() < 0.3:
+        parts.append(rng.choice(_WORDS["adv"]))
+    text = " ".join(parts)
+    if rng.random() < 0.2:
+        text += ", and " + _phrase(rng) + " " + rng.choice(_WORDS["verb"]) + " " + _phrase(rng)
+    return text + ". "
+
+
+def make_corpus(characters: int, seed: int) -> str:
+    """About ``characters`` characters of generated sentences (the same for the same seed)."""
+    rng = random.Random(seed)
+    parts, length = [], 0
+    while length < characters:
+        parts.append(_sentence(rng))
+        length += len(parts[-1])
+    return "".join(parts)
+
+
+def encode(text: str) -> torch.Tensor:
+    index = {c: i for i, c in enumerate(ALPHABET)}
+    return torch.tensor([index[c] for c in text], dtype=torch.int64)
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention; the number of heads follows from the projections' width."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.head_dim = dim // heads
+        self.wq, self.wk, self.wv = (nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.wo = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, _ = x.shape
+        q, k, v = (w(x).view(batch, length, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(batch, length, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.gelu(self.w1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int, hidden: int) -> None:
+        super().__init__()
+        self.attention_norm, self.attention = nn.LayerNorm(dim), Attention(dim, heads)
+        self.ffn_norm, self.feed_forward = nn.LayerNorm(dim), FeedForward(dim, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class TinyLM(nn.Module):
+    """Token ids (batch x seq) in, next-token logits (batch x seq x vocab) out."""
+
+    def __init__(self, vocab: int, dim: int, layers: int, heads: int, seq_len: int, hidden: int) -> None:
+        super().__init__()
+        self.tok_embeddings: nn.Module | None = nn.Embedding(vocab, dim)
+        self.pos_embeddings: nn.Module | None = nn.Embedding(seq_len, dim)
+        self.layers = nn.ModuleDict({str(i): Block(dim, heads, hidden) for i in range(layers)})
+        self.norm: nn.Module | None = nn.LayerNorm(dim)
+        self.output: nn.Module | None = nn.Linear(dim, vocab, bias=False)
+        for name, param in self.named_parameters():  # GPT-2's initialisation, residual projections scaled down
+            if name.endswith("weight") and param.dim() == 2:
+                std = 0.02 / math.sqrt(2 * layers) if name.endswith(("wo.weight", "w2.weight")) else 0.02
+                nn.init.normal_(param, std=std)
+            elif name.endswith("bias"):
+                nn.init.zeros_(param)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = tokens
+        if self.tok_embeddings is not None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+            x = self.tok_embeddings(tokens) + self.pos_embeddings(positions)
+        for block in self.layers.values():
+            x = block(x)
+        if self.norm is not None:
+            x = self.norm(x)
+        if self.output is not None:
+            x = self.output(x)
+        return x
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def language_metrics(logits: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+    loss = next_token_loss(logits, targets).item()
+    accuracy = (logits.argmax(dim=-1) == targets).double().mean().item()
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "accuracy": accuracy}
+
+
+def make_tinylm(
+    samples: int = 2048,
+    seq_len: int = 32,
+    dim: int = 64,
+    layers: int = 4,
+    heads: int = 4,
+    ffn_mult: int = 4,
+    data_seed: int = 1234,
+) -> Task:
+    if min(samples, seq_len, dim, layers, heads, ffn_mult) < 1:
+        raise ValueError("samples, seq_len, dim, layers, heads and ffn_mult must be >= 1")
+    if dim % heads:
+        raise ValueError(f"dim ({dim}) must be a multiple of heads ({heads})")
+    n_eval = max(1, samples // 8)
+    window = seq_len + 1
+    tokens = encode(make_corpus((samples + n_eval) * window, data_seed))
+    windows = tokens[: (samples + n_eval) * window].view(samples + n_eval, window)
+    vocab = len(ALPHABET)
+    return Task(
+        name="tinylm",
+        build_model=lambda: TinyLM(vocab, dim, layers, heads, seq_len, ffn_mult * dim),
+        train=TensorData(windows[:samples, :-1].clone(), windows[:samples, 1:].clone()),
+        eval=TensorData(windows[samples:, :-1].clone(), windows[samples:, 1:].clone()),
+        loss_fn=next_token_loss,
+        metrics_fn=language_metrics,
+        info={"vocab": vocab, "seq_len": seq_len, "dim": dim, "layers": layers, "heads": heads},
+    )

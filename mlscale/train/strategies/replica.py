@@ -1,0 +1,83 @@
+"""The step shared by strategies where every rank runs the whole forward and backward of its model
+(a full replica under ddp, a sharded one under fsdp, a tensor-parallel slice under tp): the strategy
+only says how the plain model is wrapped, and the wrapper does the communication inside the step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from mlscale.train.checkpoint import TrainState
+from mlscale.train.dist import all_gather_floats
+from mlscale.train.memory import state_memory
+from mlscale.train.state import load_module_state, module_state
+from mlscale.train.strategy import Batch, Learner, Setup, StepResult, StepRow, Strategy
+from mlscale.train.timing import now
+
+
+class ReplicaStrategy(Strategy):
+    """Subclasses implement ``wrap``; with one process the plain model trains unwrapped."""
+
+    replicated: ClassVar[bool] = False  # every rank holds the whole model (ddp), else it is split
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def setup(self, setup: Setup) -> None:
+        self.plain, self.build_plain = setup.model, setup.build_model
+        self.module: nn.Module = self.wrap(setup.model) if self.env.distributed else setup.model
+        self.learner: Learner = setup.make_learner(self.module.parameters())
+        self.loss_fn, self.total_steps = setup.loss_fn, setup.total_steps
+        self.steps_done, self.global_batch = setup.start_step, setup.global_batch
+
+    def step(self, batch: Batch | None) -> StepResult:
+        assert batch is not None, f"every {self.name} rank reads data"
+        with self.learner.autocast():  # the trainer has put the batch on the device
+            loss = self.loss_fn(self.module(batch.inputs), batch.targets)
+        self.learner.backward(loss)
+        backward_end = now()
+        self.learner.apply()
+        if self.env.device.type == "cuda":
+            torch.cuda.synchronize(self.env.device)
+        step_ms = (now() - batch.started) * 1e3
+        comm_ms, exposed_ms = self.comm.take(backward_end)
+        row = StepRow(self.env.rank, loss.detach(), step_ms, step_ms - batch.data_ms - exposed_ms, comm_ms,
+                      exposed_ms, batch.data_ms)
+        self.steps_done += 1
+        return StepResult(step=self.steps_done, done=self.steps_done >= self.total_steps, samples=self.global_batch,
+                          rows=[row], positions=dict.fromkeys(range(self.shards), batch.position))
+
+    def lr(self) -> float:
+        return self.learner.scheduler.get_last_lr()[0]
+
+    def share(self, rows: list[list[float]]) -> list[list[float]]:
+        (own,) = rows
+        return all_gather_floats(self.env, own)
+
+    def memory(self) -> dict[str, float]:
+        return state_memory(self.module.parameters(), [self.learner.optimizer])
+
+    def train_state(self) -> TrainState:
+        return module_state(self.module, self.learner)
+
+    def state_template(self) -> TrainState:
+        return module_state(self.module, self.learner, for_load=True)
+
+    def load_train_state(self, state: TrainState) -> None:
+        load_module_state(self.module, self.learner, state)
+
+    def full_model(self) -> nn.Module | None:
+        if self.replicated or not self.env.distributed:
+            return self.plain if self.env.is_main else None
+        # Sharded parameters: gathered whole onto rank 0's CPU (a collective), into a fresh plain model.
+        full: dict[str, Any] = get_model_state_dict(
+            self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if not self.env.is_main:
+            return None
+        model = self.build_plain().to("cpu")
+        model.load_state_dict(full)
+        return model

@@ -1,0 +1,42 @@
+"""Strategies that split the model itself across ranks, each rank running the whole step.
+
+- ``fsdp``: fully sharded data parallelism (ZeRO-3) with FSDP2 ``fully_shard``. Every rank holds
+  1/N of the parameters, gradients and optimizer state; a block's parameters are all-gathered just
+  before it runs and freed after, gradients are reduce-scattered. Each rank reads its own data shard,
+  so it trains like ddp with N workers, on about 1/N of the memory for the training state.
+- ``tp``: tensor parallelism (Megatron-LM) with ``torch.distributed.tensor.parallel``. The attention
+  heads and the MLP columns of every transformer block are split over the N ranks, which compute one
+  replica together, on the same batch: one data shard, trained like one worker.
+
+Both are applied to the plain model from outside (``mlscale.train.parallelize``).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from mlscale.config import TrainConfig
+from mlscale.train.parallelize import apply_fsdp, apply_tp, check_tp_divides
+from mlscale.train.strategies.replica import ReplicaStrategy
+
+
+class FSDPStrategy(ReplicaStrategy):
+    name = "fsdp"
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        mesh = init_device_mesh(self.env.device.type, (self.env.world_size,), mesh_dim_names=("dp",))
+        return apply_fsdp(model, mesh)
+
+
+class TensorParallelStrategy(ReplicaStrategy):
+    name = "tp"
+
+    @classmethod
+    def data_shards(cls, config: TrainConfig, world: int) -> list[int | None]:
+        return [0] * world  # the ranks compute one replica together, on the same batch
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        check_tp_divides(model, self.env.world_size)
+        mesh = init_device_mesh(self.env.device.type, (self.env.world_size,), mesh_dim_names=("tp",))
+        return apply_tp(model, mesh)
