@@ -205,6 +205,8 @@ def print_train_summary(report: dict[str, Any]) -> None:
 # name -> (module with add_arguments and run_from_args, help)
 BENCHMARKS = {
     "train": ("mlscale.bench.train", "our trainer vs a plain hand-written DDP loop"),
+    "model-parallel": ("mlscale.bench.model_parallel", "pipeline bubble vs (P-1)/(M+P-1); memory per rank, "
+                       "ddp vs fsdp vs pipeline"),
     "checkpoint": ("mlscale.bench.checkpoint", "training stall of checkpointing, blocking vs async"),
     "export": ("mlscale.bench.export", "inference latency, onnxruntime vs eager torch, digits models"),
     "serve": ("mlscale.bench.serve", "serving goodput at an SLO vs LitServe, FastAPI and offline"),

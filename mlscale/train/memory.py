@@ -8,8 +8,10 @@ Python interpreter, torch and the data, so it only ever adds to the state).
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import resource
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -54,3 +56,65 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 MEMORY_KEYS = ("params_mb", "grads_mb", "optimizer_mb", "state_mb")
+
+
+# -- a memory cap per process (--memory-limit-mb) ---------------------------------------------------
+def _data_bytes() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmData:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("no VmData in /proc/self/status")
+
+
+@contextlib.contextmanager
+def memory_limit(limit_mb: float | None, device: torch.device) -> Iterator[None]:
+    """Cap what this process may allocate from now on at ``limit_mb`` MB, as a device of that size would.
+
+    On a GPU: the CUDA caching allocator's per-process fraction (what is allocated now + the limit). On
+    a CPU: the kernel's data-segment limit (``RLIMIT_DATA``: heap and private writable mappings, where
+    torch's tensors live) at what the process uses now + the limit, so an allocation past it fails in
+    torch's allocator as it would on a full device. Lifted again on leaving (an in-process run goes on).
+    """
+    if limit_mb is None:
+        yield
+        return
+    extra = int(limit_mb * MB)
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, (torch.cuda.memory_allocated(device) + extra) / total),
+                                                   device)
+        try:
+            yield
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
+        return
+    _return_freed_memory()
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    cap = _data_bytes() + extra
+    resource.setrlimit(resource.RLIMIT_DATA, (cap if hard == resource.RLIM_INFINITY else min(cap, hard), hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+
+
+def _return_freed_memory() -> None:
+    """Have glibc serve every allocation of 128 KiB or more from its own mapping, unmapped when freed.
+    By default the threshold grows as large blocks are freed, and later tensors come from a heap that
+    is rarely given back: memory freed by sharding would still count against the limit."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(_M_MMAP_THRESHOLD, 128 * 1024)
+    except (OSError, AttributeError):  # not glibc: the limit still holds, only more conservatively
+        pass
+
+
+_M_MMAP_THRESHOLD = -3
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text)

@@ -8,7 +8,7 @@ from it, so checkpoints of different strategies and world sizes share one key sp
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -70,3 +70,23 @@ def load_module_state(model: nn.Module, learner: Learner, state: TrainState, *, 
                    options=StateDictOptions(strict=strict))
     learner.scheduler.load_state_dict(state.meta["scheduler"])
     learner.scaler.load_state_dict(state.meta["scaler"])
+
+
+def assemble(build: Callable[[], nn.Module], state: dict[str, torch.Tensor]) -> nn.Module:
+    """A plain model holding ``state`` (a full state dict on the CPU), built without allocating its own
+    weights first (on the meta device, then the tensors assigned), so assembling a split model needs
+    no second copy. A model with buffers outside its state dict is built normally instead."""
+    with torch.device("meta"):
+        model = build()
+    model.load_state_dict(state, assign=True)
+    if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        model = build().to("cpu")
+        model.load_state_dict(state)
+    return model
+
+
+def release(learner: Learner) -> None:
+    """Free the gradients and the optimizer state once training has ended (the last checkpoint is
+    written), making room to gather the trained model."""
+    learner.optimizer.zero_grad(set_to_none=True)
+    learner.optimizer.state.clear()

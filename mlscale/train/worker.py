@@ -15,16 +15,32 @@ from pathlib import Path
 from typing import Any
 
 from mlscale.config import TrainConfig
+from mlscale.errors import MlscaleError, first_line
 from mlscale.rundir import RunDir
 from mlscale.train.dist import init_distributed, shutdown_distributed
+from mlscale.train.memory import is_out_of_memory, memory_limit
 from mlscale.train.recovery import record_failure
 from mlscale.train.trainer import Trainer
+
+
+class MemoryLimitExceeded(MlscaleError):
+    """A process needed more memory than ``--memory-limit-mb`` gives it."""
 
 
 def run_worker(config: TrainConfig, run_dir: RunDir, destroy_group: bool = True) -> dict[str, Any]:
     """Join the group, train, leave. Returns the report on rank 0 and ``{}`` elsewhere."""
     env = init_distributed(config.device, config.collective_timeout_s)
-    report = Trainer(config, env, run_dir).run()
+    try:
+        with memory_limit(config.memory_limit_mb, env.device):
+            report = Trainer(config, env, run_dir).run()
+    except Exception as exc:
+        if config.memory_limit_mb is not None and is_out_of_memory(exc):
+            raise MemoryLimitExceeded(
+                f"rank {env.rank} ran out of its {config.memory_limit_mb:g} MB (--memory-limit-mb): "
+                f"{first_line(exc)} One process cannot hold this model's training state (parameters, gradients, "
+                "optimizer state, activations) within the limit: shard it over N processes with --strategy fsdp "
+                "--workers N, or split the model with --strategy pipeline --stages P --workers P") from exc
+        raise
     shutdown_distributed(destroy=destroy_group)
     return report
 

@@ -33,7 +33,7 @@ from mlscale.train.checkpoint import TrainState
 from mlscale.train.dist import all_gather_rows
 from mlscale.train.memory import state_memory
 from mlscale.train.parallelize import StagePlan, keep_stage, plan_stages
-from mlscale.train.state import load_module_state, module_state
+from mlscale.train.state import assemble, load_module_state, module_state, release
 from mlscale.train.strategies.ps_messages import receive_state, send_state
 from mlscale.train.strategy import Batch, Learner, Setup, StepResult, StepRow, Strategy
 from mlscale.train.timing import now
@@ -71,6 +71,9 @@ class PipelineStrategy(Strategy):
         if config.batch_size % config.microbatches:
             raise UsageError(f"bad value microbatches={config.microbatches}: must divide --batch-size "
                              f"{config.batch_size} (equal microbatches keep the step equal to the whole batch's)")
+        if config.schedule == "1f1b" and config.microbatches < config.stages:
+            raise UsageError(f"bad value microbatches={config.microbatches}: 1f1b needs at least one microbatch per "
+                             f"stage ({config.stages}); use more or --schedule gpipe")
         if config.precision == "fp16":
             raise UsageError("bad value precision='fp16': pipeline schedules do not scale losses; use bf16 or fp32")
 
@@ -154,18 +157,16 @@ class PipelineStrategy(Strategy):
 
     def full_model(self) -> nn.Module | None:
         """Replica 0's stages send their parameters to rank 0, which assembles the plain model."""
+        release(self.learner)  # called once, after the last checkpoint
         if self.replica != 0:
             return None
         own = {name: value.detach().cpu() for name, value in self.stage_model.state_dict().items()}
         if not self.env.is_main:
             send_state(own, dst=0, group=self.control)
             return None
-        model = self.build_plain().to("cpu")
-        full = dict(own)
         for stage in range(1, self.stages):
-            full.update(receive_state(src=stage, group=self.control))
-        model.load_state_dict(full)
-        return model
+            own.update(receive_state(src=stage, group=self.control))
+        return assemble(self.build_plain, own)
 
     def report(self) -> dict[str, Any]:
         return {"pipeline": {"stages": self.stages, "microbatches": self.microbatches,

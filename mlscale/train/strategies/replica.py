@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from mlscale.train.checkpoint import TrainState
 from mlscale.train.dist import all_gather_floats
 from mlscale.train.memory import state_memory
-from mlscale.train.state import load_module_state, module_state
+from mlscale.train.state import assemble, load_module_state, module_state, release
 from mlscale.train.strategy import Batch, Learner, Setup, StepResult, StepRow, Strategy
 from mlscale.train.timing import now
 
@@ -73,11 +73,8 @@ class ReplicaStrategy(Strategy):
     def full_model(self) -> nn.Module | None:
         if self.replicated or not self.env.distributed:
             return self.plain if self.env.is_main else None
-        # Sharded parameters: gathered whole onto rank 0's CPU (a collective), into a fresh plain model.
+        # Sharded parameters: gathered whole onto rank 0's CPU (a collective), into a plain model.
+        release(self.learner)  # called once, after the last checkpoint
         full: dict[str, Any] = get_model_state_dict(
             self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if not self.env.is_main:
-            return None
-        model = self.build_plain().to("cpu")
-        model.load_state_dict(full)
-        return model
+        return assemble(self.build_plain, full) if self.env.is_main else None
