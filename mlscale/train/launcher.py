@@ -14,7 +14,7 @@ import signal
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from pydantic import ValidationError
@@ -49,7 +49,7 @@ def fit(config: TrainConfig) -> dict[str, Any]:
     task = make_task(config.task, config.task_options)  # fail fast, with exit 2, on a bad task
     world = int(os.environ["WORLD_SIZE"]) if under_launcher() and "WORLD_SIZE" in os.environ \
         else strategy.world_size(config)
-    check_job(config, len(task.train), world)
+    check_job(config, len(task.train), world, task.build_model)
     if config.run_dir is None:
         config = config.model_copy(update={"run_dir": default_run_dir(config.task)})
     run_dir = RunDir(config.run_dir)
@@ -96,13 +96,22 @@ def _unchanged_unless_it_trains(run_dir: RunDir) -> Iterator[None]:
         raise
 
 
-def check_job(config: TrainConfig, train_size: int, world: int) -> None:
+def check_job(config: TrainConfig, train_size: int, world: int,
+              build_model: Callable[[], Any] | None = None) -> None:
     """Everything about the job that can be checked before a worker starts: a mistake is one line and
     exit 2 here, not a worker's traceback later."""
     import torch
 
     strategy = strategy_class(config.strategy)
     strategy.check(config, world)
+    if build_model is not None:
+        try:
+            with torch.device("meta"):  # the structure only: no memory for the weights
+                model = build_model()
+        except Exception:  # a factory that cannot build on the meta device: the workers will check
+            model = None
+        if model is not None:
+            strategy.check_model(config, model, world)
     workers = strategy.replicas(config, world)
     if steps_per_epoch(train_size, workers, config.batch_size) == 0:
         raise UsageError(f"bad value batch-size={config.batch_size}: {config.batch_size} per worker x {workers} "

@@ -67,7 +67,7 @@ def check_tp_divides(model: nn.Module, ways: int) -> None:
     for count in heads:
         if count % ways:
             raise UsageError(f"bad value workers={ways}: tensor parallelism splits the {count} attention heads "
-                             f"over the ranks, so the ranks must divide them")
+                             f"over the ranks, so their number must divide the heads")
 
 
 def apply_tp(model: nn.Module, mesh: object) -> nn.Module:

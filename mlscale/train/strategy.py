@@ -159,6 +159,11 @@ class Strategy(ABC):
         """Refuse, with a ``UsageError``, options this strategy cannot honour."""
         return None
 
+    @classmethod
+    def check_model(cls, config: TrainConfig, model: nn.Module, world: int) -> None:
+        """Refuse a model this strategy cannot split (given on the meta device: structure, no weights)."""
+        return None
+
     @property
     def keeps_records(self) -> bool:
         """Whether this rank takes part in logs, checkpoints and the report."""

@@ -138,6 +138,14 @@ def test_tensor_parallel_blocks_train_like_one_worker(runs):
     assert max_abs_diff(final_weights(run_dir), final_weights(runs / "one")) <= EXACT
 
 
+def test_a_tensor_parallel_checkpoint_resumes_as_one_plain_worker(runs, tmp_path):
+    run_dir = tmp_path / "run"
+    shutil.copytree(runs / "tp", run_dir)
+    stop_at(run_dir, 4)
+    train(run_dir, "--strategy", "ddp", "--workers", "1", "--resume")  # other layout, other strategy
+    assert max_abs_diff(final_weights(run_dir), final_weights(runs / "one")) <= EXACT
+
+
 def test_fsdp_trains_like_ddp_on_half_the_memory_per_rank(runs, fsdp_run):
     assert max_abs_diff(final_weights(fsdp_run), final_weights(runs / "ddp")) <= EXACT
     sharded, replicated = report_of(fsdp_run)["memory"], report_of(runs / "ddp")["memory"]
@@ -202,6 +210,8 @@ def test_a_model_too_big_for_one_process_fails_there_and_trains_sharded_or_split
 
 @pytest.mark.parametrize(("flags", "message"), [
     (["--strategy", "pipeline", "--workers", "3"], "multiple of --stages 2"),
+    (["--strategy", "pipeline", "--workers", "2", "--task-opt", "layers=1"], "only 1 block(s) to split"),
+    (["--strategy", "tp", "--workers", "3"], "the 4 attention heads over the ranks"),
     (["--strategy", "pipeline", "--workers", "2", "--batch-size", "6"], "microbatches=4: must divide --batch-size 6"),
     (["--strategy", "pipeline", "--workers", "2", "--microbatches", "1"], "1f1b needs at least one microbatch"),
 ])

@@ -77,6 +77,10 @@ class PipelineStrategy(Strategy):
         if config.precision == "fp16":
             raise UsageError("bad value precision='fp16': pipeline schedules do not scale losses; use bf16 or fp32")
 
+    @classmethod
+    def check_model(cls, config: TrainConfig, model: nn.Module, world: int) -> None:
+        plan_stages(model, config.stages)
+
     @property
     def simulates_compute(self) -> bool:
         return True  # per microbatch, in each stage's forward and backward

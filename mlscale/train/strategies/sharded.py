@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from mlscale.config import TrainConfig
-from mlscale.train.parallelize import apply_fsdp, apply_tp, check_tp_divides
+from mlscale.train.parallelize import apply_fsdp, apply_tp, check_tp_divides, tp_plan
 from mlscale.train.strategies.replica import ReplicaStrategy
 
 
@@ -35,6 +35,11 @@ class TensorParallelStrategy(ReplicaStrategy):
     @classmethod
     def data_shards(cls, config: TrainConfig, world: int) -> list[int | None]:
         return [0] * world  # the ranks compute one replica together, on the same batch
+
+    @classmethod
+    def check_model(cls, config: TrainConfig, model: nn.Module, world: int) -> None:
+        tp_plan(model)
+        check_tp_divides(model, world)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         check_tp_divides(model, self.env.world_size)
