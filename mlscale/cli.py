@@ -64,7 +64,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--memory-limit-mb", type=float, metavar="MB",
                    help="cap every process's memory for training (model, gradients, optimizer state, activations) "
                    "at MB above what it holds when it starts; a process over it fails with a clear message. "
-                   "Shows what fits on one device and what needs fsdp or pipeline")
+                   "Shows what fits on one device and what needs fsdp or pipeline. Every rank still builds the "
+                   "whole model before fsdp shards it; on a CPU, checkpoints are then written in place")
     ps = p.add_argument_group("parameter server (--strategy ps)")
     ps.add_argument("--sync", help="bsp (default: every step waits for all workers), ssp (bounded staleness) or "
                     "async (every gradient applied as it arrives)")
@@ -191,8 +192,8 @@ def print_train_summary(report: dict[str, Any]) -> None:
                      f"{pipeline['schedule']}: {pipeline['split']}"))
     memory = report.get("memory")
     if memory:
-        rows.append(("state memory", ", ".join(f"rank {m['rank']} {m['state_mb']:.1f} MB" for m in memory[:8])
-                     + (" ..." if len(memory) > 8 else "") + " (parameters + gradients + optimizer state)"))
+        rows.append(("memory", ", ".join(f"rank {m['rank']} {m['state_mb']:.1f} MB" for m in memory[:8])
+                     + (" ..." if len(memory) > 8 else "") + " of state (parameters, gradients, optimizer)"))
     if report.get("model_uri"):
         rows.append(("registered", report["model_uri"]))
     if report.get("plot"):

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from mlscale.io import _fsync_dir, atomic_write
 
@@ -52,6 +52,7 @@ from mlscale.io import _fsync_dir, atomic_write
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 PARTIAL = ".partial"
+OPTIMIZER_PREFIX = "optimizer/"
 TRAINER_FILE = "trainer.json"
 WriteHook = Callable[[int, Path], None]
 
@@ -76,7 +77,7 @@ def rank_file(rank: int) -> str:
 _METADATA_CLASSES = {
     ("torch.distributed.checkpoint.metadata", name) for name in (
         "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "ChunkStorageMetadata", "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")
+        "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")  # not BytesStorageMetadata: DCP would unpickle those
 } | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
      ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
      ("collections", "OrderedDict")}
@@ -95,6 +96,10 @@ def read_metadata(directory: Path) -> Metadata:
         metadata = _MetadataUnpickler(handle).load()
     if not isinstance(metadata, Metadata):
         raise pickle.UnpicklingError("checkpoint metadata is not DCP metadata")
+    others = [key for key, entry in metadata.state_dict_metadata.items()
+              if not isinstance(entry, TensorStorageMetadata)]
+    if others:  # mlscale writes tensors only; anything else would be read with pickle
+        raise pickle.UnpicklingError(f"checkpoint metadata declares non-tensor entries ({others[0]!r})")
     return metadata
 
 
@@ -152,7 +157,7 @@ class Checkpointer:
         if self._cleaned:
             return
         if self.coordinator and self.directory.is_dir():
-            for leftover in self.directory.glob(f"step_*{PARTIAL}"):
+            for leftover in [*self.directory.glob(f"step_*{PARTIAL}"), *self.directory.glob("step_*.replaced")]:
                 shutil.rmtree(leftover, ignore_errors=True)
         if self.collective:
             dist.barrier(group=self.group)
@@ -194,9 +199,12 @@ class Checkpointer:
             if self.write_hook is not None:
                 self.write_hook(step, partial / "__0_0.distcp")
             final = self.path_for(step)
-            if final.exists():  # an earlier attempt's checkpoint of the same step: replaced whole
-                shutil.rmtree(final)
+            old = final.with_name(final.name + ".replaced")
+            if final.exists():  # an earlier checkpoint of the same step (a resumed, finished run): moved
+                shutil.rmtree(old, ignore_errors=True)  # aside first, so one complete copy always exists
+                final.rename(old)
             partial.rename(final)
+            shutil.rmtree(old, ignore_errors=True)
             _fsync_dir(self.directory)
             self._prune()
         self.write_ms.append((time.perf_counter() - start) * 1e3)
@@ -247,17 +255,24 @@ class Checkpointer:
                           file=sys.stderr)
         return None
 
+    def trainer_state(self, step: int) -> dict[str, Any]:
+        return json.loads((self.path_for(step) / TRAINER_FILE).read_text())
+
     def load(self, step: int, template: TrainState) -> TrainState:
         """Fill ``template.tensors`` (this rank's tensors, in the layout it trains with) from the
         checkpoint of ``step``, resharding as needed; the JSON part is this rank's, or rank 0's when
         the checkpoint had no such rank."""
         path = self.path_for(step)
-        dcp.load(template.tensors, storage_reader=_SafeReader(path), process_group=self.group,
-                 no_dist=not self.collective)
+        saved = read_metadata(path).state_dict_metadata
+        # Optimizer state exists only for parameters that were stepped (fp16 skips steps, a parameter may
+        # never get a gradient): what the checkpoint lacks stays fresh. Everything else must be there.
+        tensors = {key: value for key, value in template.tensors.items()
+                   if key in saved or not key.startswith(OPTIMIZER_PREFIX)}
+        dcp.load(tensors, storage_reader=_SafeReader(path), process_group=self.group, no_dist=not self.collective)
         own = path / rank_file(self.rank) if self.rank is not None else None
         mine = own is not None and own.exists()
         meta = json.loads((own if mine else path / rank_file(0)).read_text())
-        return TrainState(template.tensors, {**meta, "own": mine})
+        return TrainState(tensors, {**meta, "own": mine})
 
 
 def _write_json(path: Path, value: Any) -> None:

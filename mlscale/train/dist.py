@@ -7,9 +7,11 @@ LOCAL_RANK, MASTER_ADDR/PORT), so the same worker runs under our launcher and un
 
 from __future__ import annotations
 
+import io
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -97,6 +99,15 @@ def all_gather_floats(env: DistEnv, values: list[float]) -> list[list[float]]:
     return [t.cpu().tolist() for t in gathered]
 
 
+def broadcast_int(env: DistEnv, value: int) -> int:
+    """Rank 0's ``value`` on every rank."""
+    if not env.distributed:
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64, device=env.device if env.device.type == "cuda" else "cpu")
+    dist.broadcast(tensor, src=0)
+    return int(tensor.item())
+
+
 def all_gather_objects(env: DistEnv, obj: object) -> list[object]:
     if not env.distributed:
         return [obj]
@@ -107,11 +118,11 @@ def all_gather_objects(env: DistEnv, obj: object) -> list[object]:
 
 def all_gather_rows(env: DistEnv, rows: list[list[float]]) -> list[list[float]]:
     """Every rank's rows of floats, in rank order, where ranks may have different numbers of rows
-    (some none) of one common length."""
+    (some none); each rank's rows come back as long as its longest one (shorter ones NaN-padded)."""
     if not env.distributed:
         return rows
     device = env.device if env.device.type == "cuda" else torch.device("cpu")
-    width = len(rows[0]) if rows else 0
+    width = max((len(row) for row in rows), default=0)
     shape = torch.tensor([len(rows), width], dtype=torch.int64, device=device)
     shapes = [torch.empty_like(shape) for _ in range(env.world_size)]
     dist.all_gather(shapes, shape)
@@ -120,8 +131,26 @@ def all_gather_rows(env: DistEnv, rows: list[list[float]]) -> list[list[float]]:
     if most == 0:
         return []
     local = torch.full((most, width), float("nan"), dtype=torch.float64, device=device)
-    if rows:
-        local[: len(rows)] = torch.tensor(rows, dtype=torch.float64, device=device)
+    for i, row in enumerate(rows):
+        local[i, : len(row)] = torch.tensor(row, dtype=torch.float64, device=device)
     gathered = [torch.empty_like(local) for _ in range(env.world_size)]
     dist.all_gather(gathered, local)
-    return [row for t, s in zip(gathered, shapes) for row in t[: int(s[0])].cpu().tolist()]
+    return [row[: int(s[1])] for t, s in zip(gathered, shapes) for row in t[: int(s[0])].cpu().tolist()]
+
+
+def send_state(state: dict[str, Any], dst: int, group: Any) -> None:
+    """Tensors (in plain containers) to rank ``dst`` over a gloo ``group``, as ``torch.save`` bytes."""
+    handle = io.BytesIO()
+    torch.save(state, handle)
+    data = torch.frombuffer(bytearray(handle.getvalue()), dtype=torch.uint8)
+    dist.send(torch.tensor([data.numel()], dtype=torch.int64), dst=dst, group=group)
+    dist.send(data, dst=dst, group=group)
+
+
+def receive_state(src: int, group: Any) -> dict[str, Any]:
+    """What ``send_state`` sent, read with ``weights_only=True``: tensors and containers, no code."""
+    size = torch.empty(1, dtype=torch.int64)
+    dist.recv(size, src=src, group=group)
+    data = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.recv(data, src=src, group=group)
+    return torch.load(io.BytesIO(data.numpy().tobytes()), map_location="cpu", weights_only=True)

@@ -135,7 +135,8 @@ def default_run_dir(task: str) -> str:
 
 
 def _prepare(config: TrainConfig, run_dir: RunDir) -> None:
-    has_checkpoint = Checkpointer(run_dir.checkpoints).latest() is not None
+    checkpoints = Checkpointer(run_dir.checkpoints)
+    has_checkpoint = checkpoints.latest() is not None or bool(checkpoints.legacy_files())  # legacy: refused later
     if config.resume and not has_checkpoint:
         raise UsageError(f"bad value run-dir={config.run_dir!r}: nothing to resume (no checkpoint in it)")
     failed_at_start = (not has_checkpoint and run_dir.report_path.exists()

@@ -27,8 +27,8 @@ def param_count(module: nn.Module | None) -> int:
 def fsdp_units(model: nn.Module) -> list[nn.Module]:
     """The modules FSDP2 shards as units of their own, innermost first: every block of a container (a
     transformer's layers, a Sequential's layers). The root takes what is left (embeddings, head)."""
-    units = []
-    for module in model.modules():
+    units: list[nn.Module] = []
+    for module in reversed(list(model.modules())):  # every module comes after the modules inside it
         if isinstance(module, CONTAINERS):
             units.extend(child for child in module.children() if param_count(child))
     return units

@@ -21,10 +21,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from mlscale.train.checkpoint import TrainState
+from mlscale.train.checkpoint import OPTIMIZER_PREFIX, TrainState
 from mlscale.train.strategy import Learner
 
-MODEL, OPTIMIZER = "model/", "optimizer/"
+MODEL, OPTIMIZER = "model/", OPTIMIZER_PREFIX
 
 
 def module_state(model: nn.Module, learner: Learner, *, for_load: bool = False,

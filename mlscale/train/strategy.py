@@ -44,7 +44,8 @@ class StepRow:
     """One data rank's step, measured by that rank: its loss and where its time went."""
 
     rank: int
-    loss: float | torch.Tensor  # a tensor stays on the device until a log line needs it
+    loss: float | torch.Tensor | None  # a tensor stays on the device until a log line needs it; None: this
+    # rank computes no loss (a pipeline stage before the last)
     step_ms: float
     compute_ms: float
     comm_ms: float

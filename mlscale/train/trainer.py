@@ -27,7 +27,7 @@ from mlscale.lineage import code_version, data_fingerprint
 from mlscale.rundir import RunDir
 from mlscale.tasks import make_task
 from mlscale.train.checkpoint import Checkpointer, capture_rng, restore_rng
-from mlscale.train.dist import DistEnv
+from mlscale.train.dist import DistEnv, broadcast_int
 from mlscale.train.faults import FaultInjector
 from mlscale.train.memory import MEMORY_KEYS, peak_memory_mb
 from mlscale.train.progress import Progress
@@ -124,6 +124,8 @@ class Trainer:
                                   total_steps=self.total_steps, start_step=self.step, global_batch=self.global_batch))
         if found is not None:
             self._restore(*found)
+            if env.distributed:  # nobody saves (and prunes) before every rank has read its part
+                dist.barrier()
         self.heartbeat = Heartbeat(run_dir.path / "heartbeat", env.attempt, env.rank)
         self.recovery: RecoveryTracker | None = None
         self.progress: Progress | None = None
@@ -155,16 +157,37 @@ class Trainer:
         """Checkpoint ranks write together, on a gloo group of their own (a background save's collectives
         must not interleave with training's); other ranks only read."""
         group = None
-        if self.env.distributed and len(writers) > 1:
+        if self.env.distributed:  # also for one writer: async_save needs a CPU group, the default may be nccl
             timeout = timedelta(seconds=self.config.collective_timeout_s)
             group = dist.new_group(ranks=writers, backend="gloo", timeout=timeout)  # called on every rank
         writer = self.env.rank in writers
+        # Under a CPU memory limit an async save's copy of the state would count against it: write in place.
+        async_save = self.config.async_checkpoint and not (self.config.memory_limit_mb and
+                                                           self.env.device.type == "cpu")
         return Checkpointer(self.run_dir.checkpoints, keep=self.config.keep_checkpoints,
-                            async_save=self.config.async_checkpoint, write_hook=self.faults.during_checkpoint_write,
+                            async_save=async_save, write_hook=self.faults.during_checkpoint_write,
                             rank=writers.index(self.env.rank) if writer else None, group=group,
                             collective=writer and group is not None)
 
     def _latest_checkpoint(self) -> tuple[int, dict[str, Any]] | None:
+        """Rank 0 picks the checkpoint and tells the others, so that every rank resumes from the same
+        one even when a shared file system shows them different listings."""
+        found, error = None, None
+        if self.env.is_main:
+            try:
+                found = self._pick_checkpoint()
+            except MlscaleError as exc:
+                error = exc
+        chosen = broadcast_int(self.env, -2 if error else found[0] if found else -1)
+        if error is not None:
+            raise error
+        if chosen == -2:
+            raise MlscaleError("rank 0 found no checkpoint to resume from (see its message)")
+        if chosen < 0:
+            return None
+        return found if found is not None else (chosen, self.checkpointer.trainer_state(chosen))
+
+    def _pick_checkpoint(self) -> tuple[int, dict[str, Any]] | None:
         legacy = self.checkpointer.legacy_files()
         if legacy and not self.checkpointer.steps():
             raise MlscaleError(f"{self.run_dir.checkpoints} holds single-file checkpoints ({legacy[-1].name}) of an "
@@ -256,17 +279,19 @@ class Trainer:
         """Share loss and timings among record keepers; rank 0 writes a metrics line. Returns the loss."""
         summaries = []
         for rank, rows in sorted(by_rank(window.rows).items()):
-            losses = torch.stack([torch.as_tensor(row.loss, dtype=torch.float64) for row in rows])
-            summaries.append([rank, losses.mean().item(), losses[-1].item(),
+            seen = [row.loss for row in rows if row.loss is not None]  # a rank may see no loss (early stages)
+            losses = torch.stack([torch.as_tensor(loss, dtype=torch.float64) for loss in seen]) if seen \
+                else torch.full((1,), math.nan, dtype=torch.float64)
+            summaries.append([rank, float(bool(seen)), losses.mean().item(), losses[-1].item(),
                               *timing_medians([row.timings() for row in rows]),
                               *(row.own_ms for row in rows)])
         shared = self.strategy.share(summaries)
         if not shared:
             return float("nan")
-        fixed = 3 + len(TIMING_KEYS)
+        fixed = 4 + len(TIMING_KEYS)
         flagged = self.stragglers.observe(self.step, {int(r[0]): r[fixed:] for r in shared})
-        with_loss = [r for r in shared if not math.isnan(r[1])]  # pipeline: only the last stages see one
-        loss = sum(r[1] for r in with_loss) / max(1, len(with_loss))
+        with_loss = [r for r in shared if r[1]]  # by role, so that a diverged (NaN) loss still shows
+        loss = sum(r[2] for r in with_loss) / len(with_loss) if with_loss else math.nan
         if self.env.is_main:
             samples_per_s = window.samples / (now() - window.start)
             self.run_dir.append_metrics({
@@ -277,14 +302,14 @@ class Trainer:
                 "samples_per_s": samples_per_s,
                 "time": time.time(),
                 "elapsed_s": now() - self.loop_start,
-                "per_rank": [{"rank": int(r[0]), **dict(zip(TIMING_KEYS, r[3:fixed])),
+                "per_rank": [{"rank": int(r[0]), **dict(zip(TIMING_KEYS, r[4:fixed])),
                               "straggler_score": round(self.stragglers.scores.get(int(r[0]), 1.0), 3)}
                              for r in shared],
                 "stragglers": flagged,
             })
             if self.progress is not None:
                 self.progress.update(self.step, loss, samples_per_s, self.stragglers.describe_now())
-        return sum(r[2] for r in with_loss) / max(1, len(with_loss))
+        return sum(r[3] for r in with_loss) / len(with_loss) if with_loss else math.nan
 
     def run(self) -> dict[str, Any]:
         """Train to the end, checkpoint, evaluate, and (rank 0) write the report."""
@@ -334,9 +359,10 @@ class Trainer:
     # -- the end ------------------------------------------------------------------------------
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
         data = self.task.eval.to(self.dtype)
+        device = next(model.parameters()).device  # a split model is assembled on the CPU
         model.eval()
         with torch.no_grad():
-            outputs = torch.cat([model(data.inputs[i:i + 1024].to(self.env.device)).cpu()
+            outputs = torch.cat([model(data.inputs[i:i + 1024].to(device)).cpu()
                                  for i in range(0, len(data), 1024)])
         model.train()
         return self.task.metrics_fn(outputs, data.targets)

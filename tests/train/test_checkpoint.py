@@ -5,6 +5,7 @@ import pickle
 
 import pytest
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from mlscale.train.checkpoint import Checkpointer, TrainState, capture_rng, read_metadata, restore_rng
 
@@ -92,3 +93,33 @@ def test_rng_states_round_trip_through_json(tmp_path):
     expected = (random.random(), np.random.rand(), torch.rand(1))
     restore_rng(checkpoints.load(1, TrainState({"x": torch.zeros(1)})).meta["rng"])
     assert (random.random(), np.random.rand(), torch.rand(1)) == expected
+
+
+def test_metadata_declaring_a_non_tensor_entry_is_refused(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    checkpoints = Checkpointer(tmp_path)
+    checkpoints.save(1, _state(1.0), trainer={"step": 1})
+    directory = tmp_path / "step_00000001"
+    # DCP itself would store a non-tensor value as bytes, to be read back with pickle
+    dcp.save({"model/w": torch.ones(3), "extra": {"any": "object"}}, checkpoint_id=str(directory), no_dist=True)
+    with pytest.raises(pickle.UnpicklingError, match="BytesStorageMetadata"):
+        read_metadata(directory)
+
+
+def test_optimizer_state_the_checkpoint_lacks_stays_fresh(tmp_path):
+    checkpoints = Checkpointer(tmp_path)
+    checkpoints.save(1, _state(4.0), trainer={"step": 1})  # saved before any optimizer step
+    template = TrainState({"model/w": torch.zeros(3), "optimizer/w/exp_avg": torch.zeros(3)})
+    loaded = checkpoints.load(1, template)
+    assert set(loaded.tensors) == {"model/w"} and torch.equal(loaded.tensors["model/w"], torch.full((3,), 4.0))
+    with pytest.raises(CheckpointException, match="model/missing"):  # a parameter it lacks is an error
+        checkpoints.load(1, TrainState({"model/w": torch.zeros(3), "model/missing": torch.zeros(1)}))
+
+
+def test_saving_a_step_again_replaces_it_whole(tmp_path):
+    checkpoints = Checkpointer(tmp_path)
+    checkpoints.save(1, _state(1.0), trainer={"step": 1})
+    checkpoints.save(1, _state(2.0), trainer={"step": 1})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_00000001"]
+    assert torch.equal(checkpoints.load(1, _template()).tensors["model/w"], torch.full((3,), 2.0))

@@ -218,3 +218,12 @@ def test_a_model_too_big_for_one_process_fails_there_and_trains_sharded_or_split
 def test_a_pipeline_layout_that_cannot_work_is_refused_before_any_process_starts(flags, message, tmp_path):
     result = run_cli("train", *TASK, *flags, "--run-dir", str(tmp_path / "run"))
     assert result.returncode == 2 and message in result.stderr, result.stderr
+
+
+def test_a_diverged_loss_is_reported_not_hidden(tmp_path):
+    from mlscale import TrainConfig, fit
+
+    # Losses are averaged over the ranks that compute one (a pipeline's last stages); a NaN still shows.
+    report = fit(TrainConfig(task="digits", steps=20, lr=1e12, lr_schedule="constant", progress=False,
+                             run_dir=str(tmp_path / "run")))
+    assert report["final_loss"] != report["final_loss"]  # NaN

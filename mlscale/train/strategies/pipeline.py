@@ -30,11 +30,10 @@ from torch.nn.parallel import DistributedDataParallel
 from mlscale.config import TrainConfig
 from mlscale.errors import UsageError
 from mlscale.train.checkpoint import TrainState
-from mlscale.train.dist import all_gather_rows
+from mlscale.train.dist import all_gather_rows, receive_state, send_state
 from mlscale.train.memory import state_memory
 from mlscale.train.parallelize import StagePlan, keep_stage, plan_stages
 from mlscale.train.state import assemble, load_module_state, module_state, release
-from mlscale.train.strategies.ps_messages import receive_state, send_state
 from mlscale.train.strategy import Batch, Learner, Setup, StepResult, StepRow, Strategy
 from mlscale.train.timing import now
 
@@ -134,7 +133,7 @@ class PipelineStrategy(Strategy):
             torch.cuda.synchronize(self.env.device)
         step_ms = (now() - batch.started) * 1e3
         # Only the last stage sees the loss; time in the schedule includes waiting for other stages.
-        loss = torch.stack(losses).mean().detach() if losses else float("nan")
+        loss = torch.stack(losses).mean().detach() if self.last else None
         row = StepRow(self.env.rank, loss, step_ms, step_ms - batch.data_ms, 0.0, 0.0, batch.data_ms)
         self.steps_done += 1
         return StepResult(step=self.steps_done, done=self.steps_done >= self.total_steps, samples=self.global_batch,

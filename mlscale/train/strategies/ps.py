@@ -35,14 +35,14 @@ from torch import nn
 from mlscale.config import TrainConfig
 from mlscale.errors import UsageError
 from mlscale.train.checkpoint import TrainState
+from mlscale.train.dist import receive_state, send_state
+from mlscale.train.memory import state_memory
 from mlscale.train.state import MODEL, load_module_state, module_state
 from mlscale.train.strategies.ps_messages import (
     Header,
     Reply,
     empty_flat,
     flat,
-    receive_state,
-    send_state,
     unflatten_into,
 )
 from mlscale.train.strategies.ps_server import Sequencer, ServerShard, shard_by_size
@@ -211,6 +211,9 @@ class ParameterServerStrategy(Strategy):
             return None
         self._fill_model(gathered)
         return self.model
+
+    def memory(self) -> dict[str, float]:
+        return state_memory(self.shard.params, [self.shard.learner.optimizer]) if self.is_server else {}
 
     def close(self) -> None:
         if self.is_server:

@@ -9,7 +9,6 @@ tensors and plain containers only, never code.
 
 from __future__ import annotations
 
-import io
 from collections.abc import Sequence
 from dataclasses import astuple, dataclass, fields
 from typing import Any, ClassVar
@@ -85,19 +84,3 @@ class Reply:
         buffer = torch.empty(2, dtype=torch.float64)
         dist.recv(buffer, src=0, group=group)
         return cls(version=int(buffer[0].item()), done=bool(buffer[1].item()))
-
-
-def send_state(state: dict[str, Any], dst: int, group: Any) -> None:
-    handle = io.BytesIO()
-    torch.save(state, handle)
-    data = torch.frombuffer(bytearray(handle.getvalue()), dtype=torch.uint8)
-    dist.send(torch.tensor([data.numel()], dtype=torch.int64), dst=dst, group=group)
-    dist.send(data, dst=dst, group=group)
-
-
-def receive_state(src: int, group: Any) -> dict[str, Any]:
-    size = torch.empty(1, dtype=torch.int64)
-    dist.recv(size, src=src, group=group)
-    data = torch.empty(int(size.item()), dtype=torch.uint8)
-    dist.recv(data, src=src, group=group)
-    return torch.load(io.BytesIO(data.numpy().tobytes()), map_location="cpu", weights_only=True)
