@@ -147,6 +147,9 @@ class Checkpointer:
     def coordinator(self) -> bool:
         return self.rank == 0  # rank: this process's rank among the writers; None for a reader only
 
+    def _group(self) -> Any:
+        return self.group if self.collective else None  # a reader outside the group reads on its own
+
     def path_for(self, step: int) -> Path:
         return self.directory / step_name(step)
 
@@ -176,7 +179,7 @@ class Checkpointer:
         if self.coordinator:
             _write_json(partial / TRAINER_FILE, trainer or {})
         writer = FileSystemWriter(partial)
-        options = {"storage_writer": writer, "process_group": self.group, "no_dist": not self.collective}
+        options = {"storage_writer": writer, "process_group": self._group(), "no_dist": not self.collective}
         if not self.async_save:
             dcp.save(state.tensors, **options)
             self._finish(step, partial, start)
@@ -217,6 +220,12 @@ class Checkpointer:
         if self._error is not None:
             error, self._error = self._error, None
             raise error
+
+    def finish_in_flight(self, timeout_s: float) -> None:
+        """On the way out after a failure: give the save in flight up to ``timeout_s`` to reach the disk
+        (its peers may be alive and writing their parts), ignoring its error."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
 
     def _prune(self) -> None:
         for step in self.steps()[: -self.keep]:
@@ -268,7 +277,7 @@ class Checkpointer:
         # never get a gradient): what the checkpoint lacks stays fresh. Everything else must be there.
         tensors = {key: value for key, value in template.tensors.items()
                    if key in saved or not key.startswith(OPTIMIZER_PREFIX)}
-        dcp.load(tensors, storage_reader=_SafeReader(path), process_group=self.group, no_dist=not self.collective)
+        dcp.load(tensors, storage_reader=_SafeReader(path), process_group=self._group(), no_dist=not self.collective)
         own = path / rank_file(self.rank) if self.rank is not None else None
         mine = own is not None and own.exists()
         meta = json.loads((own if mine else path / rank_file(0)).read_text())

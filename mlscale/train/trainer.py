@@ -345,6 +345,10 @@ class Trainer:
                     window = _Window()
                 if config.checkpoint_every and self.step % config.checkpoint_every == 0:
                     self._checkpoint(final=done)
+        except BaseException:
+            # The process is about to exit: a checkpoint still being written is worth finishing.
+            self.checkpointer.finish_in_flight(min(30.0, config.collective_timeout_s))
+            raise
         finally:
             if progress is not None:
                 progress.close()
