@@ -85,7 +85,13 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--optimizer", help="sgd (default) or adam")
     p.add_argument("--seed", type=int, help="seed for weights, data order and every RNG (default 0)")
     p.add_argument("--dtype", help="float32 (default) or float64 for weights and data")
-    p.add_argument("--precision", help="fp32 (default), bf16 or fp16 autocast for compute")
+    precision = p.add_mutually_exclusive_group()
+    precision.add_argument("--precision", help="fp32 (default), bf16 or fp16: autocast for compute, the weights "
+                           "stay fp32 (master weights); fp16 adds a dynamic loss scaler")
+    precision.add_argument("--bf16", action="store_const", const="bf16", dest="precision",
+                           help="the same as --precision bf16 (the Hugging Face Trainer's flag)")
+    precision.add_argument("--fp16", action="store_const", const="fp16", dest="precision",
+                           help="the same as --precision fp16 (the Hugging Face Trainer's flag)")
     p.add_argument("--device", help="auto (default: cuda if available), cpu or cuda")
     p.add_argument("--run-dir", metavar="DIR", help="where config, metrics, checkpoints and report go")
     p.add_argument("--resume", action="store_true", default=None, help="continue from the latest checkpoint")

@@ -7,7 +7,11 @@
   straggler); ``rank=any`` makes one random data rank slow each step. The draws depend on the seed
   and the step alone, so every rank agrees which rank is slow at which step.
 - ``kill_during_checkpoint:step=K``: the checkpoint writer dies halfway through writing the
-  checkpoint of step K (the temporary file is left torn, never renamed).
+  checkpoint of step K (its part is left torn, the checkpoint never renamed into place).
+- ``inf_grad:rank=R:step=K``: worker R's loss at step K is multiplied by inf, so its gradients (and,
+  through the all-reduce, everyone's) are inf: under ``--precision fp16`` the loss scaler skips the
+  step and halves its scale; without a scaler the weights become NaN. For strategies whose backward
+  goes through the trainer's update rule (ddp, fsdp, tp).
 
 Kill, hang and checkpoint faults fire on the first attempt of a fresh run only, so a restarted or
 resumed run can get past them. Each fault that fires is first written to ``logs/faults.jsonl`` with
@@ -33,6 +37,7 @@ _FIELDS = {
     "hang": ("rank", "step"),
     "slow": ("rank", "delay_ms", "p"),
     "kill_during_checkpoint": ("step",),
+    "inf_grad": ("rank", "step"),
 }
 
 
@@ -87,6 +92,7 @@ class FaultInjector:
         once = [f for f in faults if first_attempt and f.kind != "slow"]
         self._kill = {f.step: f for f in once if f.kind in ("kill", "hang") and f.rank == rank}
         self._checkpoint_kill = {f.step: f for f in once if f.kind == "kill_during_checkpoint"}
+        self._inf = {f.step: f for f in once if f.kind == "inf_grad" and f.rank == rank}
         self._slow = [f for f in faults if f.kind == "slow" and f.rank in (rank, ANY_RANK)]
         self._data_ranks = data_ranks if data_ranks is not None else [rank]
         self.rank, self.log_path, self.seed = rank, log_path, seed
@@ -125,6 +131,13 @@ class FaultInjector:
         delay = self.delay_s(step) if self._slow else 0.0
         if delay:
             time.sleep(delay)
+
+    def poisons(self, step: int) -> bool:
+        """Whether this rank's loss is to be made infinite at ``step`` (``inf_grad``), recorded once."""
+        fault = self._inf.pop(step, None)
+        if fault is not None:
+            self._record(fault)
+        return fault is not None
 
     def during_checkpoint_write(self, step: int, partial_file: Path) -> None:
         """Called by the checkpoint writer after the data is written, before the rename."""

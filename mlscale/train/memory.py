@@ -49,13 +49,41 @@ def state_memory(params: Iterable[torch.nn.Parameter], optimizers: Iterable[torc
     return result
 
 
+class SavedActivations:
+    """Counts the bytes autograd keeps for the backward pass while active (the activations; under
+    autocast also the low-precision copies of the weights), distinct storages once, parameters not."""
+
+    def __init__(self, params: Iterable[torch.Tensor]) -> None:
+        self.bytes = 0
+        self._seen = {_local(p).untyped_storage().data_ptr() for p in params}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = _local(tensor).untyped_storage()
+        if storage.data_ptr() not in self._seen:
+            self._seen.add(storage.data_ptr())
+            self.bytes += storage.nbytes()
+        return tensor
+
+    def __enter__(self) -> SavedActivations:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
+
+    @property
+    def mb(self) -> float:
+        return self.bytes / MB
+
+
 def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / MB
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-MEMORY_KEYS = ("params_mb", "grads_mb", "optimizer_mb", "state_mb")
+MEMORY_KEYS = ("params_mb", "grads_mb", "optimizer_mb", "state_mb", "activations_mb")
 
 
 # -- a memory cap per process (--memory-limit-mb) ---------------------------------------------------

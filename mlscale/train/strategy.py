@@ -81,6 +81,8 @@ class Learner:
     scaler: torch.amp.GradScaler
     precision: str
     device_type: str
+    skipped_steps: int = 0  # fp16: steps the loss scaler skipped (inf or NaN gradients), each halving the scale
+    poison_next: bool = False  # --fault inf_grad: the next backward's loss is multiplied by inf
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.precision == "fp32":
@@ -90,13 +92,28 @@ class Learner:
 
     def backward(self, loss: torch.Tensor) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+        if self.poison_next:
+            loss, self.poison_next = loss * float("inf"), False
         self.scaler.scale(loss).backward()
 
     def apply(self) -> None:
-        """Step the optimizer on the gradients in ``.grad``, then the scaler and the schedule."""
+        """Step the optimizer on the gradients in ``.grad``, then the scaler and the schedule. The
+        weights (and the optimizer's state) stay in the model's dtype: autocast computes in bf16/fp16
+        on copies, so fp32 weights are the master weights. Under fp16 a step whose gradients hold an
+        inf or NaN is skipped by the scaler, which halves its scale (and grows it again after 2,000
+        good steps)."""
+        before = self.scaler.get_scale() if self.scaler.is_enabled() else None
         self.scaler.step(self.optimizer)
         self.scaler.update()
+        if before is not None and self.scaler.get_scale() < before:
+            self.skipped_steps += 1
         self.scheduler.step()
+
+    def precision_report(self) -> dict[str, Any]:
+        weights = next((p.dtype for group in self.optimizer.param_groups for p in group["params"]), None)
+        return {"precision": self.precision, "master_weights": str(weights).removeprefix("torch."),
+                "loss_scale": self.scaler.get_scale() if self.scaler.is_enabled() else None,
+                "skipped_steps": self.skipped_steps}
 
     def state_dict(self) -> dict[str, Any]:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),

@@ -109,6 +109,7 @@ class Trainer:
 
         self.step, self.samples_seen = 0, 0
         self.memory: dict[str, float] | None = None
+        self.learners: list[Learner] = []  # the update rules the strategy asked for (one, or a shard's)
         self.positions = {shard: Position() for shard in range(self.shards)}
         self.resumed_from: int | None = None
         self.resumed_world_size: int | None = None
@@ -140,10 +141,12 @@ class Trainer:
     def _make_learner(self, params: Any) -> Learner:
         """The update rule a strategy applies to the parameters it updates (all of them, or a shard)."""
         optimizer = build_optimizer(self.config, params)
-        return Learner(optimizer=optimizer,
-                       scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(self.config, self.total_steps)),
-                       scaler=torch.amp.GradScaler(self.env.device.type, enabled=self.config.precision == "fp16"),
-                       precision=self.config.precision, device_type=self.env.device.type)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(self.config, self.total_steps))
+        learner = Learner(optimizer=optimizer, scheduler=schedule,
+                          scaler=torch.amp.GradScaler(self.env.device.type, enabled=self.config.precision == "fp16"),
+                          precision=self.config.precision, device_type=self.env.device.type)
+        self.learners.append(learner)
+        return learner
 
     def _seed_rank_rngs(self) -> None:
         # By data shard, not rank: the worker reading shard i draws the same numbers under every strategy.
@@ -251,7 +254,11 @@ class Trainer:
         batch = self._next_batch()
         # A data rank counts its own steps (under async ps the global step can jump past a straggler's);
         # a rank without data counts global steps.
-        self.faults.before_step((self.local_steps if batch is not None else self.step) + 1)
+        own_step = (self.local_steps if batch is not None else self.step) + 1
+        self.faults.before_step(own_step)
+        if self.faults.poisons(own_step):
+            for learner in self.learners:
+                learner.poison_next = True
         self.local_steps += 1
         if batch is not None and self.config.simulated_compute_ms and not self.strategy.simulates_compute:
             time.sleep(self.config.simulated_compute_ms / 1e3)
@@ -376,7 +383,8 @@ class Trainer:
         measured = self.memory or {}
         own = [self.env.rank, *(measured.get(key, math.nan) for key in MEMORY_KEYS), peak_memory_mb(self.env.device)]
         rows = self.strategy.share([own])
-        return [{"rank": int(row[0]), **dict(zip((*MEMORY_KEYS, "peak_mb"), row[1:]))}
+        return [{"rank": int(row[0]), **{key: value for key, value in zip((*MEMORY_KEYS, "peak_mb"), row[1:])
+                                         if not math.isnan(value)}}
                 for row in rows if not math.isnan(row[4])]
 
     def _finish(self, final_loss: float, measured: dict[int, list[tuple[float, ...]]], samples: int,
@@ -426,6 +434,7 @@ class Trainer:
             "epochs": self.samples_seen / len(self.train_data),
             "dtype": self.config.dtype,
             "precision": self.config.precision,
+            "mixed_precision": self.learners[0].precision_report() if self.learners else None,
             "device": str(self.env.device),
             "torch": torch.__version__,
             "data_fingerprint": data_fingerprint(self.task.train, self.task.eval),

@@ -5,6 +5,7 @@ only says how the plain model is wrapped, and the wrapper does the communication
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, ClassVar
 
 import torch
@@ -13,7 +14,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from mlscale.train.checkpoint import TrainState
 from mlscale.train.dist import all_gather_floats
-from mlscale.train.memory import state_memory
+from mlscale.train.memory import SavedActivations, state_memory
 from mlscale.train.state import assemble, load_module_state, module_state, release
 from mlscale.train.strategy import Batch, Learner, Setup, StepResult, StepRow, Strategy
 from mlscale.train.timing import now
@@ -33,11 +34,16 @@ class ReplicaStrategy(Strategy):
         self.learner: Learner = setup.make_learner(self.module.parameters())
         self.loss_fn, self.total_steps = setup.loss_fn, setup.total_steps
         self.steps_done, self.global_batch = setup.start_step, setup.global_batch
+        self.activations_mb: float | None = None
 
     def step(self, batch: Batch | None) -> StepResult:
         assert batch is not None, f"every {self.name} rank reads data"
-        with self.learner.autocast():  # the trainer has put the batch on the device
+        # The first step also measures what autograd keeps for backward (the activations).
+        saved = SavedActivations(self.module.parameters()) if self.activations_mb is None else None
+        with self.learner.autocast(), saved or contextlib.nullcontext():  # the batch is on the device already
             loss = self.loss_fn(self.module(batch.inputs), batch.targets)
+        if saved is not None:
+            self.activations_mb = saved.mb
         self.learner.backward(loss)
         backward_end = now()
         self.learner.apply()
@@ -59,7 +65,8 @@ class ReplicaStrategy(Strategy):
         return all_gather_floats(self.env, own)
 
     def memory(self) -> dict[str, float]:
-        return state_memory(self.module.parameters(), [self.learner.optimizer])
+        return {**state_memory(self.module.parameters(), [self.learner.optimizer]),
+                "activations_mb": self.activations_mb or 0.0}
 
     def train_state(self) -> TrainState:
         return module_state(self.module, self.learner)
