@@ -81,6 +81,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     length.add_argument("--epochs", type=float, help="passes over the training data (default 10)")
     p.add_argument("--batch-size", type=int, help="samples per data-parallel replica per step (default 32): "
                    "a pipeline or tp replica of several processes still takes this many")
+    p.add_argument("--grad-accum", type=int, metavar="K", help="gradient accumulation: K micro-steps of "
+                   "--batch-size samples per optimizer step, gradients synchronised once, on the last (default 1); "
+                   "trains like --batch-size x K. ddp, fsdp, tp")
     p.add_argument("--lr", type=float, help="peak learning rate (default 0.05)")
     p.add_argument("--optimizer", help="sgd (default) or adam")
     p.add_argument("--seed", type=int, help="seed for weights, data order and every RNG (default 0)")
@@ -131,7 +134,7 @@ def _train(args: argparse.Namespace) -> int:
         "precision", "device", "run_dir", "resume", "checkpoint_every", "keep_checkpoints", "async_checkpoint",
         "max_restarts", "collective_timeout_s", "faults", "log_every", "sync", "staleness", "ps_servers",
         "backup_workers", "straggler_threshold", "simulated_compute_ms", "progress", "stages", "microbatches",
-        "schedule", "memory_limit_mb")}
+        "schedule", "memory_limit_mb", "grad_accum")}
     if args.task_opt:
         overrides["task_options"] = dict(args.task_opt)
     config = build_config(args.config, **overrides)

@@ -42,7 +42,8 @@ class TrainConfig(BaseModel):
     memory_limit_mb: float | None = Field(None, gt=0, description="cap on each process's memory for training state")
     steps: int | None = Field(None, ge=1)
     epochs: float | None = Field(None, gt=0)
-    batch_size: int = Field(32, ge=1, description="samples per data-parallel replica per step")
+    batch_size: int = Field(32, ge=1, description="samples per data-parallel replica per micro-step")
+    grad_accum: int = Field(1, ge=1, description="micro-steps per optimizer step, synchronised once")
     lr: float = Field(0.05, gt=0)
     optimizer: Literal["sgd", "adam"] = "sgd"
     momentum: float = Field(0.9, ge=0, lt=1)
@@ -75,6 +76,11 @@ class TrainConfig(BaseModel):
         for spec in specs:
             parse_fault(spec)
         return specs
+
+    @property
+    def step_batch(self) -> int:
+        """Samples per data-parallel replica per optimizer step: ``batch_size x grad_accum``."""
+        return self.batch_size * self.grad_accum
 
     @model_validator(mode="after")
     def _one_length(self) -> TrainConfig:

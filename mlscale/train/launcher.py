@@ -113,7 +113,7 @@ def check_job(config: TrainConfig, train_size: int, world: int,
         if model is not None:
             strategy.check_model(config, model, world)
     workers = strategy.replicas(config, world)
-    if steps_per_epoch(train_size, workers, config.batch_size) == 0:
+    if steps_per_epoch(train_size, workers, config.step_batch) == 0:
         raise UsageError(f"bad value batch-size={config.batch_size}: {config.batch_size} per worker x {workers} "
                          f"worker(s) is more than the {train_size:,} training samples of task {config.task!r}")
     for spec in config.faults:

@@ -90,8 +90,10 @@ class Learner:
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
         return torch.autocast(self.device_type, dtype=dtype)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
+    def backward(self, loss: torch.Tensor, accumulate: bool = False) -> None:
+        """Gradients of ``loss`` into ``.grad``: fresh, or added to what is there (``accumulate``)."""
+        if not accumulate:
+            self.optimizer.zero_grad(set_to_none=True)
         if self.poison_next:
             loss, self.poison_next = loss * float("inf"), False
         self.scaler.scale(loss).backward()

@@ -40,11 +40,13 @@ class CommTimer:
         self._lock = threading.Lock()
         self._intervals: list[tuple[float, float]] = []
         self._last_launch = 0.0
+        self.calls = 0  # collectives launched since the start (the buckets of every all-reduce)
 
     def launched(self) -> float:
         start = now()
         with self._lock:
             self._last_launch = start
+            self.calls += 1
         return start
 
     def finished(self, start: float) -> None:

@@ -44,7 +44,7 @@ def total_steps(config: TrainConfig, train_size: int, world: int) -> int:
     if config.steps is not None:
         return config.steps
     epochs = config.epochs if config.epochs is not None else 10.0
-    return max(1, math.ceil(epochs * steps_per_epoch(train_size, world, config.batch_size)))
+    return max(1, math.ceil(epochs * steps_per_epoch(train_size, world, config.step_batch)))
 
 
 def build_optimizer(config: TrainConfig, params: Any) -> torch.optim.Optimizer:
@@ -102,7 +102,7 @@ class Trainer:
         self.faults = FaultInjector(config.faults, env.rank, first_attempt=env.attempt == 0 and not config.resume,
                                     log_path=run_dir.logs / "faults.jsonl", data_ranks=data_ranks, seed=config.seed)
         self.total_steps = total_steps(config, len(self.train_data), self.shards)
-        self.global_batch = config.batch_size * self.shards
+        self.global_batch = config.step_batch * self.shards
         self.checkpointer = self._make_checkpointer(strategy_type.checkpoint_ranks(config, env.world_size))
         self.checkpoint_stalls_ms: list[float] = []
         self.stragglers = StragglerDetector(threshold=config.straggler_threshold)
@@ -134,7 +134,7 @@ class Trainer:
             self.recovery = RecoveryTracker(run_dir.path, run_dir.path / "heartbeat", run_dir.logs / "faults.jsonl",
                                             attempt=env.attempt, resumed_from=self.step)
         self.loader = None if self.shard is None else ShardLoader(
-            self.train_data, rank=self.shard, world=self.shards, batch_size=config.batch_size, seed=config.seed,
+            self.train_data, rank=self.shard, world=self.shards, batch_size=config.step_batch, seed=config.seed,
             position=self.positions[self.shard])
 
     # -- state --------------------------------------------------------------------------------

@@ -5,6 +5,9 @@ backward pass. A timing comm hook wraps DDP's own all-reduce hook so communicati
 estimated. With one worker nothing is wrapped and no process group exists.
 """
 
+import contextlib
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -36,3 +39,14 @@ class DDPStrategy(ReplicaStrategy):
         module = DistributedDataParallel(model, device_ids=device_ids)
         module.register_comm_hook(self.comm, _timed_allreduce)
         return module
+
+    def report(self) -> dict[str, Any]:
+        steps = self.steps_done - self.start_step
+        return {"communication": {"allreduce_buckets": self.comm.calls,  # counted by the comm hook
+                                  "allreduce_buckets_per_step": self.comm.calls / steps if steps else 0.0,
+                                  "grad_accum": self.config.grad_accum}}
+
+    def synchronising(self, sync: bool) -> contextlib.AbstractContextManager[object]:
+        if sync or not isinstance(self.module, DistributedDataParallel):
+            return contextlib.nullcontext()
+        return self.module.no_sync()  # DDP's own: gradients stay local, no all-reduce

@@ -70,6 +70,9 @@ class PipelineStrategy(Strategy):
         if config.batch_size % config.microbatches:
             raise UsageError(f"bad value microbatches={config.microbatches}: must divide --batch-size "
                              f"{config.batch_size} (equal microbatches keep the step equal to the whole batch's)")
+        if config.grad_accum > 1:
+            raise UsageError(f"bad value grad-accum={config.grad_accum}: a pipeline accumulates over its "
+                             "--microbatches already; raise those (and --batch-size) instead")
         if config.schedule == "1f1b" and config.microbatches < config.stages:
             raise UsageError(f"bad value microbatches={config.microbatches}: 1f1b needs at least one microbatch per "
                              f"stage ({config.stages}); use more or --schedule gpipe")

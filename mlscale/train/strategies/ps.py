@@ -77,6 +77,9 @@ class ParameterServerStrategy(Strategy):
             raise UsageError(f"bad value workers={workers}: with --strategy ps every process needs a GPU of its "
                              f"own, and {workers} worker(s) + {config.ps_servers} server(s) exceed the "
                              f"{torch.cuda.device_count()} GPU(s) here")
+        if config.grad_accum > 1:
+            raise UsageError(f"bad value grad-accum={config.grad_accum}: parameter server workers push every "
+                             "gradient; use a larger --batch-size")
         if config.precision == "fp16":
             raise UsageError("bad value precision='fp16': the parameter server does not scale losses; use bf16 "
                              "or fp32")

@@ -34,17 +34,25 @@ class ReplicaStrategy(Strategy):
         self.learner: Learner = setup.make_learner(self.module.parameters())
         self.loss_fn, self.total_steps = setup.loss_fn, setup.total_steps
         self.steps_done, self.global_batch = setup.start_step, setup.global_batch
+        self.start_step = setup.start_step
         self.activations_mb: float | None = None
 
     def step(self, batch: Batch | None) -> StepResult:
         assert batch is not None, f"every {self.name} rank reads data"
-        # The first step also measures what autograd keeps for backward (the activations).
-        saved = SavedActivations(self.module.parameters()) if self.activations_mb is None else None
-        with self.learner.autocast(), saved or contextlib.nullcontext():  # the batch is on the device already
-            loss = self.loss_fn(self.module(batch.inputs), batch.targets)
-        if saved is not None:
-            self.activations_mb = saved.mb
-        self.learner.backward(loss)
+        micro = self.config.grad_accum  # --grad-accum K: K micro-steps of --batch-size, synchronised once
+        inputs, targets = batch.inputs.chunk(micro), batch.targets.chunk(micro)  # already on the device
+        losses = []
+        for i in range(micro):
+            # The first step also measures what autograd keeps for backward (the activations).
+            saved = SavedActivations(self.module.parameters()) if self.activations_mb is None else None
+            with self.synchronising(i == micro - 1):
+                with self.learner.autocast(), saved or contextlib.nullcontext():
+                    loss = self.loss_fn(self.module(inputs[i]), targets[i])
+                self.learner.backward(loss / micro if micro > 1 else loss, accumulate=i > 0)
+            if saved is not None:
+                self.activations_mb = saved.mb
+            losses.append(loss.detach())
+        loss = losses[0] if micro == 1 else torch.stack(losses).mean()
         backward_end = now()
         self.learner.apply()
         if self.env.device.type == "cuda":
@@ -56,6 +64,11 @@ class ReplicaStrategy(Strategy):
         self.steps_done += 1
         return StepResult(step=self.steps_done, done=self.steps_done >= self.total_steps, samples=self.global_batch,
                           rows=[row], positions=dict.fromkeys(range(self.shards), batch.position))
+
+    def synchronising(self, sync: bool) -> contextlib.AbstractContextManager[Any]:
+        """Around a micro-step's forward and backward: whether its gradients are synchronised (the last
+        of ``--grad-accum`` micro-steps) or only accumulated locally."""
+        return contextlib.nullcontext()
 
     def lr(self) -> float:
         return self.learner.scheduler.get_last_lr()[0]

@@ -13,6 +13,9 @@ Both are applied to the plain model from outside (``mlscale.train.parallelize``)
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -27,6 +30,11 @@ class FSDPStrategy(ReplicaStrategy):
     def wrap(self, model: nn.Module) -> nn.Module:
         mesh = init_device_mesh(self.env.device.type, (self.env.world_size,), mesh_dim_names=("dp",))
         return apply_fsdp(model, mesh)
+
+    def synchronising(self, sync: bool) -> contextlib.AbstractContextManager[Any]:
+        if self.env.distributed:
+            self.module.set_requires_gradient_sync(sync)  # FSDP2: no reduce-scatter until the last micro-step
+        return contextlib.nullcontext()
 
 
 class TensorParallelStrategy(ReplicaStrategy):
