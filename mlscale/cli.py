@@ -84,6 +84,11 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--grad-accum", type=int, metavar="K", help="gradient accumulation: K micro-steps of "
                    "--batch-size samples per optimizer step, gradients synchronised once, on the last (default 1); "
                    "trains like --batch-size x K. ddp, fsdp, tp")
+    p.add_argument("--compress", help="ddp: none (default), fp16 or bf16 (gradients cast to 16 bits for the "
+                   "all-reduce: half the bytes) or powersgd (rank-2 PowerSGD with error feedback after 10 plain "
+                   "steps); bytes sent are in report.json communication")
+    p.add_argument("--bucket-mb", type=float, metavar="MB", help="ddp: gradient bucket size of the all-reduce "
+                   "(default 25, DDP's): smaller buckets start communicating earlier, larger ones send fewer messages")
     p.add_argument("--lr", type=float, help="peak learning rate (default 0.05)")
     p.add_argument("--optimizer", help="sgd (default) or adam")
     p.add_argument("--seed", type=int, help="seed for weights, data order and every RNG (default 0)")
@@ -134,7 +139,7 @@ def _train(args: argparse.Namespace) -> int:
         "precision", "device", "run_dir", "resume", "checkpoint_every", "keep_checkpoints", "async_checkpoint",
         "max_restarts", "collective_timeout_s", "faults", "log_every", "sync", "staleness", "ps_servers",
         "backup_workers", "straggler_threshold", "simulated_compute_ms", "progress", "stages", "microbatches",
-        "schedule", "memory_limit_mb", "grad_accum")}
+        "schedule", "memory_limit_mb", "grad_accum", "compress", "bucket_mb")}
     if args.task_opt:
         overrides["task_options"] = dict(args.task_opt)
     config = build_config(args.config, **overrides)

@@ -44,6 +44,9 @@ class TrainConfig(BaseModel):
     epochs: float | None = Field(None, gt=0)
     batch_size: int = Field(32, ge=1, description="samples per data-parallel replica per micro-step")
     grad_accum: int = Field(1, ge=1, description="micro-steps per optimizer step, synchronised once")
+    compress: Literal["none", "fp16", "bf16", "powersgd"] = Field(
+        "none", description="ddp: gradient compression of the all-reduce (a DDP communication hook)")
+    bucket_mb: float = Field(25.0, gt=0, description="ddp: gradient bucket size in MB (DDP's bucket_cap_mb)")
     lr: float = Field(0.05, gt=0)
     optimizer: Literal["sgd", "adam"] = "sgd"
     momentum: float = Field(0.9, ge=0, lt=1)

@@ -104,6 +104,9 @@ def check_job(config: TrainConfig, train_size: int, world: int,
 
     strategy = strategy_class(config.strategy)
     strategy.check(config, world)
+    if config.compress != "none" and not strategy.compresses:
+        raise UsageError(f"bad value compress={config.compress!r}: gradient compression is a DDP communication "
+                         f"hook; --strategy {config.strategy} does not all-reduce through DDP (use --strategy ddp)")
     if build_model is not None:
         try:
             with torch.device("meta"):  # the structure only: no memory for the weights

@@ -30,7 +30,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     speed_ax.plot(steps, [m["samples_per_s"] for m in metrics], marker=".")
     speed_ax.set(title="throughput", xlabel="step", ylabel="samples/s")
     ranks = report["per_rank"]
-    parts = [("compute_ms_p50", "compute"), ("comm_exposed_ms_p50", "exposed comm"), ("data_wait_ms_p50", "data wait")]
+    parts = [("compute_ms_p50", "compute"), ("optimizer_ms_p50", "optimizer"), ("comm_exposed_ms_p50", "exposed comm"),
+             ("data_wait_ms_p50", "data wait")]
     bottom = [0.0] * len(ranks)
     for key, label in parts:
         values = [r.get(key, 0.0) for r in ranks]

@@ -25,7 +25,7 @@ from mlscale.train.checkpoint import TrainState
 from mlscale.train.dist import DistEnv
 from mlscale.train.timing import CommTimer
 
-TIMING_KEYS = ("step_ms", "compute_ms", "comm_ms", "comm_exposed_ms", "data_wait_ms")
+TIMING_KEYS = ("step_ms", "compute_ms", "comm_ms", "comm_exposed_ms", "data_wait_ms", "optimizer_ms")
 
 
 @dataclass(frozen=True)
@@ -51,14 +51,15 @@ class StepRow:
     comm_ms: float
     comm_exposed_ms: float
     data_wait_ms: float
+    optimizer_ms: float = 0.0  # the update (optimizer, scaler, schedule), apart from compute
 
     def timings(self) -> tuple[float, ...]:
         return tuple(getattr(self, key) for key in TIMING_KEYS)
 
     @property
     def own_ms(self) -> float:
-        """Time this rank spent on its own work (compute and data wait): what tells a straggler."""
-        return self.compute_ms + self.data_wait_ms
+        """Time this rank spent on its own work (compute, update, data wait): what tells a straggler."""
+        return self.compute_ms + self.optimizer_ms + self.data_wait_ms
 
 
 @dataclass
@@ -146,6 +147,7 @@ class Setup:
 
 class Strategy(ABC):
     name: ClassVar[str]
+    compresses: ClassVar[bool] = False  # honours --compress (a DDP communication hook)
 
     def __init__(self, env: DistEnv, config: TrainConfig) -> None:
         self.env, self.config = env, config

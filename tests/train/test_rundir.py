@@ -8,7 +8,7 @@ from tests.helpers import final_weights, run_cli
 
 REPORT_KEYS = {"status", "task", "strategy", "world_size", "steps", "samples_seen", "samples_per_s", "final_loss",
                "eval", "restarts", "per_rank", "stragglers", "wall_s", "model_uri"}
-RANK_KEYS = {"rank", "step_ms_p50", "compute_ms_p50", "comm_ms_p50", "data_wait_ms_p50"}
+RANK_KEYS = {"rank", "step_ms_p50", "compute_ms_p50", "comm_ms_p50", "data_wait_ms_p50", "optimizer_ms_p50"}
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +23,7 @@ def two_worker_run(tmp_path_factory):
 def test_report_has_every_contract_key_and_measured_timings(two_worker_run):
     run_dir, _ = two_worker_run
     report = json.loads((run_dir / "report.json").read_text())
-    assert report.keys() >= REPORT_KEYS
+    assert report.keys() >= REPORT_KEYS | {"memory", "mixed_precision", "communication"}
     assert report["status"] == "completed" and report["world_size"] == 2 and report["steps"] == 30
     assert report["samples_seen"] == 30 * 2 * 32 and report["samples_per_s"] > 0
     assert 0 <= report["eval"]["accuracy"] <= 1 and report["restarts"] == 0 and report["model_uri"] is None
@@ -31,7 +31,7 @@ def test_report_has_every_contract_key_and_measured_timings(two_worker_run):
     for row in report["per_rank"]:
         assert row.keys() >= RANK_KEYS
         assert row["step_ms_p50"] > 0 and row["compute_ms_p50"] > 0 and row["comm_ms_p50"] > 0
-        assert row["data_wait_ms_p50"] < row["step_ms_p50"]
+        assert row["data_wait_ms_p50"] < row["step_ms_p50"] and 0 < row["optimizer_ms_p50"] < row["step_ms_p50"]
 
 
 def test_config_metrics_and_final_weights(two_worker_run):

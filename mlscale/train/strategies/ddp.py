@@ -1,49 +1,99 @@
 """Data parallelism with PyTorch DistributedDataParallel.
 
-Every worker holds a full replica; DDP averages gradients with bucketed all-reduce that overlaps the
-backward pass. A timing comm hook wraps DDP's own all-reduce hook so communication is measured, not
+Every worker holds a full replica; DDP averages gradients with bucketed all-reduce (``--bucket-mb``)
+that overlaps the backward pass. A timing comm hook wraps DDP's own hook (plain all-reduce, or
+``--compress fp16|bf16|powersgd``) so communication time and the bytes sent are measured, not
 estimated. With one worker nothing is wrapped and no process group exists.
 """
 
 import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from mlscale.train.strategies.replica import ReplicaStrategy
 from mlscale.train.timing import CommTimer
 
 
+@dataclass
+class CommState:
+    """What the timing hook carries: the timer, the wrapped hook and its own state, the bytes sent."""
+
+    timer: CommTimer
+    hook: Callable[..., Any]
+    inner: Any  # the wrapped hook's state: None, or PowerSGD's
+    compress: str
+    bytes_sent: int = 0
+
+    def bucket_bytes(self, bucket: dist.GradBucket) -> int:
+        """Bytes this rank contributes to the all-reduces of ``bucket``, from the tensors sent."""
+        buffer = bucket.buffer()
+        if self.compress in ("fp16", "bf16"):
+            return buffer.numel() * 2  # the bucket is cast to 16 bits before the all-reduce
+        if self.compress == "powersgd" and bucket.index() in self.inner.p_memory_dict:
+            # Compressed: the low-rank factors P and Q of each matrix, and the 1-D tensors (biases) as they are.
+            index = bucket.index()
+            low_rank = self.inner.p_memory_dict[index].numel() + self.inner.q_memory_dict[index].numel()
+            flat = sum(g.numel() for g in bucket.gradients() if g.dim() <= 1)
+            return (low_rank + flat) * buffer.element_size()
+        return buffer.numel() * buffer.element_size()
+
+
 # No ``from __future__ import annotations`` here: DDP checks the hook's annotations at run time.
-def _timed_allreduce(timer: CommTimer, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    start = timer.launched()
-    future = default_hooks.allreduce_hook(None, bucket)
+def _timed_hook(state: CommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    start = state.timer.launched()
+    future = state.hook(state.inner, bucket)
+    state.bytes_sent += state.bucket_bytes(bucket)
 
     def done(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
-        timer.finished(start)
+        state.timer.finished(start)
         return fut.value()
 
     return future.then(done)
 
 
+def comm_hook(compress: str, process_group: Any) -> tuple[Callable[..., Any], Any]:
+    """DDP's own hook for ``--compress`` and its state: plain all-reduce, fp16 / bf16 compression
+    (cast, all-reduce, cast back), or PowerSGD (rank-2 approximation with error feedback, after 10
+    uncompressed steps)."""
+    if compress == "fp16":
+        return default_hooks.fp16_compress_hook, process_group
+    if compress == "bf16":
+        return default_hooks.bf16_compress_hook, process_group
+    if compress == "powersgd":
+        state = powerSGD_hook.PowerSGDState(process_group=process_group, matrix_approximation_rank=2,
+                                            start_powerSGD_iter=10, use_error_feedback=True, warm_start=True)
+        return powerSGD_hook.powerSGD_hook, state
+    return default_hooks.allreduce_hook, process_group
+
+
 class DDPStrategy(ReplicaStrategy):
     name = "ddp"
     replicated = True
+    compresses = True
 
     def wrap(self, model: nn.Module) -> nn.Module:
         device_ids = [self.env.device] if self.env.device.type == "cuda" else None
-        module = DistributedDataParallel(model, device_ids=device_ids)
-        module.register_comm_hook(self.comm, _timed_allreduce)
+        module = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=self.config.bucket_mb)
+        hook, inner = comm_hook(self.config.compress, None)
+        self.comm_state = CommState(self.comm, hook, inner, self.config.compress)
+        module.register_comm_hook(self.comm_state, _timed_hook)
         return module
 
     def report(self) -> dict[str, Any]:
         steps = self.steps_done - self.start_step
+        sent = getattr(self, "comm_state", None)
+        sent_bytes = sent.bytes_sent if sent is not None else 0
         return {"communication": {"allreduce_buckets": self.comm.calls,  # counted by the comm hook
                                   "allreduce_buckets_per_step": self.comm.calls / steps if steps else 0.0,
+                                  "bytes_sent": sent_bytes, "bytes_sent_per_step": sent_bytes / steps if steps else 0.0,
+                                  "compress": self.config.compress, "bucket_mb": self.config.bucket_mb,
                                   "grad_accum": self.config.grad_accum}}
 
     def synchronising(self, sync: bool) -> contextlib.AbstractContextManager[object]:

@@ -131,13 +131,16 @@ class PipelineStrategy(Strategy):
                 self.schedule.step(target=batch.targets, losses=losses)
             else:
                 self.schedule.step()
+        update_start = now()
         self.learner.apply()
         if self.env.device.type == "cuda":
             torch.cuda.synchronize(self.env.device)
-        step_ms = (now() - batch.started) * 1e3
+        end = now()
+        step_ms, optimizer_ms = (end - batch.started) * 1e3, (end - update_start) * 1e3
         # Only the last stage sees the loss; time in the schedule includes waiting for other stages.
         loss = torch.stack(losses).mean().detach() if self.last else None
-        row = StepRow(self.env.rank, loss, step_ms, step_ms - batch.data_ms, 0.0, 0.0, batch.data_ms)
+        row = StepRow(self.env.rank, loss, step_ms, step_ms - batch.data_ms - optimizer_ms, 0.0, 0.0, batch.data_ms,
+                      optimizer_ms)
         self.steps_done += 1
         return StepResult(step=self.steps_done, done=self.steps_done >= self.total_steps, samples=self.global_batch,
                           rows=[row], positions=dict.fromkeys(range(self.shards), batch.position))

@@ -54,13 +54,17 @@ class ReplicaStrategy(Strategy):
             losses.append(loss.detach())
         loss = losses[0] if micro == 1 else torch.stack(losses).mean()
         backward_end = now()
+        if self.env.device.type == "cuda":  # what the backward queued is done before the update is timed
+            torch.cuda.synchronize(self.env.device)
+        update_start = now()
         self.learner.apply()
         if self.env.device.type == "cuda":
             torch.cuda.synchronize(self.env.device)
-        step_ms = (now() - batch.started) * 1e3
+        end = now()
+        step_ms, optimizer_ms = (end - batch.started) * 1e3, (end - update_start) * 1e3
         comm_ms, exposed_ms = self.comm.take(backward_end)
-        row = StepRow(self.env.rank, loss.detach(), step_ms, step_ms - batch.data_ms - exposed_ms, comm_ms,
-                      exposed_ms, batch.data_ms)
+        row = StepRow(self.env.rank, loss.detach(), step_ms, step_ms - batch.data_ms - exposed_ms - optimizer_ms,
+                      comm_ms, exposed_ms, batch.data_ms, optimizer_ms)
         self.steps_done += 1
         return StepResult(step=self.steps_done, done=self.steps_done >= self.total_steps, samples=self.global_batch,
                           rows=[row], positions=dict.fromkeys(range(self.shards), batch.position))
