@@ -28,9 +28,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from mlscale.bench import train_stragglers
 
     add_out_option(p, "train")
-    p.add_argument("--scenario", choices=("anchor", "straggler"), default="anchor",
+    p.add_argument("--scenario", choices=("anchor", "straggler", "comm"), default="anchor",
                    help="anchor (default): our trainer vs a plain DDP loop; straggler: ddp and the parameter "
-                   "server's modes with and without slow workers")
+                   "server's modes with and without slow workers; comm: gradient compression and accumulation "
+                   "vs a plain all-reduce (bytes sent, samples/s)")
     p.add_argument("--workers", type=int_list(1), default=[1, 2],
                    help="world sizes to compare, comma-separated (default 1,2)")
     p.add_argument("--repeats", type=int_at_least(1), default=None,
@@ -136,8 +137,12 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
     straggler = args.scenario == "straggler"
-    args.repeats = args.repeats or (3 if straggler else 5)
-    args.steps = args.steps or (80 if straggler else 300)
+    args.repeats = args.repeats or (5 if args.scenario == "anchor" else 3)
+    args.steps = args.steps or {"anchor": 300, "straggler": 80, "comm": 100}[args.scenario]
+    if args.scenario == "comm":
+        from mlscale.bench import train_comm
+
+        return train_comm.run_from_args(args)
     if straggler:
         from mlscale.bench import train_stragglers
 
