@@ -89,6 +89,10 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    "steps); bytes sent are in report.json communication")
     p.add_argument("--bucket-mb", type=float, metavar="MB", help="ddp: gradient bucket size of the all-reduce "
                    "(default 25, DDP's): smaller buckets start communicating earlier, larger ones send fewer messages")
+    p.add_argument("--clip-grad-norm", type=float, metavar="X", help="clip the gradients' global L2 norm to X "
+                   "before each update (after unscaling under fp16); ddp, fsdp, tp")
+    p.add_argument("--eval-every", type=int, metavar="N", help="held-out metrics every N steps, on the console and "
+                   "in metrics.jsonl (`eval`); default: at the end only. ddp, fsdp, tp")
     p.add_argument("--lr", type=float, help="peak learning rate (default 0.05)")
     p.add_argument("--optimizer", help="sgd (default) or adam")
     p.add_argument("--seed", type=int, help="seed for weights, data order and every RNG (default 0)")
@@ -139,7 +143,7 @@ def _train(args: argparse.Namespace) -> int:
         "precision", "device", "run_dir", "resume", "checkpoint_every", "keep_checkpoints", "async_checkpoint",
         "max_restarts", "collective_timeout_s", "faults", "log_every", "sync", "staleness", "ps_servers",
         "backup_workers", "straggler_threshold", "simulated_compute_ms", "progress", "stages", "microbatches",
-        "schedule", "memory_limit_mb", "grad_accum", "compress", "bucket_mb")}
+        "schedule", "memory_limit_mb", "grad_accum", "compress", "bucket_mb", "clip_grad_norm", "eval_every")}
     if args.task_opt:
         overrides["task_options"] = dict(args.task_opt)
     config = build_config(args.config, **overrides)

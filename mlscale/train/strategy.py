@@ -21,6 +21,7 @@ from torch import nn
 
 from mlscale.config import TrainConfig
 from mlscale.data import Position
+from mlscale.errors import UsageError
 from mlscale.train.checkpoint import TrainState
 from mlscale.train.dist import DistEnv
 from mlscale.train.timing import CommTimer
@@ -82,6 +83,7 @@ class Learner:
     scaler: torch.amp.GradScaler
     precision: str
     device_type: str
+    clip_grad_norm: float | None = None  # --clip-grad-norm: the gradients' global L2 norm is clipped to this
     skipped_steps: int = 0  # fp16: steps the loss scaler skipped (inf or NaN gradients), each halving the scale
     poison_next: bool = False  # --fault inf_grad: the next backward's loss is multiplied by inf
 
@@ -106,6 +108,11 @@ class Learner:
         inf or NaN is skipped by the scaler, which halves its scale (and grows it again after 2,000
         good steps)."""
         before = self.scaler.get_scale() if self.scaler.is_enabled() else None
+        if self.clip_grad_norm is not None:
+            self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
+            params = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+            # The norm over all parameters; sharded (DTensor) gradients are reduced across their ranks.
+            torch.nn.utils.clip_grad_norm_(params, self.clip_grad_norm)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         if before is not None and self.scaler.get_scale() < before:
@@ -148,6 +155,8 @@ class Setup:
 class Strategy(ABC):
     name: ClassVar[str]
     compresses: ClassVar[bool] = False  # honours --compress (a DDP communication hook)
+    clips_globally: ClassVar[bool] = False  # each rank's update sees every gradient (or their DTensor shards)
+    evaluates_during_training: ClassVar[bool] = False  # has an ``evaluator()``
 
     def __init__(self, env: DistEnv, config: TrainConfig) -> None:
         self.env, self.config = env, config
@@ -180,6 +189,16 @@ class Strategy(ABC):
     def check(cls, config: TrainConfig, world: int) -> None:
         """Refuse, with a ``UsageError``, options this strategy cannot honour."""
         return None
+
+    @classmethod
+    def check_training_options(cls, config: TrainConfig) -> None:
+        """Refuse, with a ``UsageError``, an update option the strategy cannot apply correctly."""
+        if config.clip_grad_norm is not None and not cls.clips_globally:
+            raise UsageError(f"bad value clip-grad-norm={config.clip_grad_norm:g}: --strategy {cls.name} holds the "
+                             "gradients on several ranks without their global norm (use ddp, fsdp or tp)")
+        if config.eval_every and not cls.evaluates_during_training:
+            raise UsageError(f"bad value eval-every={config.eval_every}: --strategy {cls.name} evaluates at the "
+                             "end only (use ddp, fsdp or tp)")
 
     @classmethod
     def check_model(cls, config: TrainConfig, model: nn.Module, world: int) -> None:
@@ -225,6 +244,11 @@ class Strategy(ABC):
     @abstractmethod
     def full_model(self) -> nn.Module | None:
         """The plain trained model on rank 0 (``None`` elsewhere). A collective among record keepers."""
+
+    def evaluator(self) -> nn.Module | None:
+        """For ``--eval-every``: the module this rank runs the held-out data through (all record keepers
+        together, as a sharded model's forward is collective); ``None``: this rank takes no part."""
+        return None
 
     def memory(self) -> dict[str, float]:
         """MB of this rank's parameters, gradients and optimizer state (``mlscale.train.memory``),

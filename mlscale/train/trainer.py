@@ -109,6 +109,7 @@ class Trainer:
 
         self.step, self.samples_seen = 0, 0
         self.memory: dict[str, float] | None = None
+        self.pending_eval: dict[str, float] | None = None  # --eval-every: for the next metrics line
         self.learners: list[Learner] = []  # the update rules the strategy asked for (one, or a shard's)
         self.positions = {shard: Position() for shard in range(self.shards)}
         self.resumed_from: int | None = None
@@ -145,6 +146,7 @@ class Trainer:
         learner = Learner(optimizer=optimizer, scheduler=schedule,
                           scaler=torch.amp.GradScaler(self.env.device.type, enabled=self.config.precision == "fp16"),
                           precision=self.config.precision, device_type=self.env.device.type)
+        learner.clip_grad_norm = self.config.clip_grad_norm
         self.learners.append(learner)
         return learner
 
@@ -282,6 +284,16 @@ class Trainer:
         elif self.env.is_main:
             print(text, file=sys.stderr, flush=True)
 
+    def _evaluate_now(self) -> None:
+        """``--eval-every``: held-out metrics now, kept for the next metrics line and the progress line."""
+        model = self.strategy.evaluator()
+        if model is None:
+            return
+        metrics = self.evaluate(model)
+        if self.env.is_main:
+            self.pending_eval = {"step": self.step, **metrics}
+            self._say(f"eval at step {self.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+
     def _log(self, window: _Window) -> float:
         """Share loss and timings among record keepers; rank 0 writes a metrics line. Returns the loss."""
         summaries = []
@@ -313,7 +325,9 @@ class Trainer:
                               "straggler_score": round(self.stragglers.scores.get(int(r[0]), 1.0), 3)}
                              for r in shared],
                 "stragglers": flagged,
+                **({"eval": self.pending_eval} if self.pending_eval else {}),
             })
+            self.pending_eval = None
             if self.progress is not None:
                 self.progress.update(self.step, loss, samples_per_s, self.stragglers.describe_now())
         return sum(r[3] for r in with_loss) / len(with_loss) if with_loss else math.nan
@@ -347,6 +361,8 @@ class Trainer:
                     measured_samples += result.samples
                 elif self.step - start_step >= warm:
                     measure_from = (now(), self.step)
+                if config.eval_every and self.step % config.eval_every == 0 and not done:
+                    self._evaluate_now()
                 if self.step % config.log_every == 0 or done:
                     final_loss = self._log(window)
                     window = _Window()

@@ -24,6 +24,8 @@ class ReplicaStrategy(Strategy):
     """Subclasses implement ``wrap``; with one process the plain model trains unwrapped."""
 
     replicated: ClassVar[bool] = False  # every rank holds the whole model (ddp), else it is split
+    clips_globally = True
+    evaluates_during_training = True
 
     def wrap(self, model: nn.Module) -> nn.Module:
         return model
@@ -80,6 +82,11 @@ class ReplicaStrategy(Strategy):
     def share(self, rows: list[list[float]]) -> list[list[float]]:
         (own,) = rows
         return all_gather_floats(self.env, own)
+
+    def evaluator(self) -> nn.Module | None:
+        if self.replicated or not self.env.distributed:  # a replica: rank 0 alone, on the plain model
+            return self.plain if self.env.is_main else None
+        return self.module  # sharded: every rank takes part in the forward
 
     def memory(self) -> dict[str, float]:
         return {**state_memory(self.module.parameters(), [self.learner.optimizer]),

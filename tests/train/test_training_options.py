@@ -1,0 +1,62 @@
+"""What users of Lightning, Accelerate and the Hugging Face Trainer expect of a loop: the gradients'
+global norm clipped (also when sharded), and held-out metrics during the run."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from mlscale import TrainConfig, fit
+from mlscale.tasks import make_task
+from tests.helpers import final_weights, run_cli
+
+LR, CLIP = 0.1, 1e-3
+
+
+def _update_norm(run_dir) -> float:
+    """L2 norm of the change of all weights in the one step the run took (plain SGD: lr x gradient)."""
+    torch.manual_seed(0)
+    initial = make_task("digits").build_model().state_dict()
+    final = final_weights(run_dir)
+    return torch.sqrt(sum(((final[k] - initial[k].to(final[k].dtype)) ** 2).sum() for k in final)).item()
+
+
+
+
+def test_clipping_bounds_the_update_by_lr_times_the_norm(tmp_path):
+    clipped = dict(task="digits", dtype="float64", steps=1, lr=LR, momentum=0.0, lr_schedule="constant",
+                   progress=False)
+    fit(TrainConfig(**clipped, clip_grad_norm=CLIP, run_dir=str(tmp_path / "clipped")))
+    fit(TrainConfig(**clipped, run_dir=str(tmp_path / "free")))
+    assert _update_norm(tmp_path / "clipped") <= LR * CLIP * (1 + 1e-9)
+    assert _update_norm(tmp_path / "free") > 10 * LR * CLIP  # the bound is not met by chance
+
+
+def test_clipping_takes_the_global_norm_of_sharded_gradients(tmp_path):
+    config = tmp_path / "sgd.toml"
+    config.write_text(f'task = "digits"\ndtype = "float64"\nsteps = 1\nlr = {LR}\nmomentum = 0.0\n'
+                      'lr_schedule = "constant"\n')
+    result = run_cli("train", "--config", str(config), "--strategy", "fsdp", "--workers", "2", "--batch-size", "16",
+                     "--clip-grad-norm", str(CLIP), "--no-progress", "--run-dir", str(tmp_path / "run"))
+    assert result.returncode == 0, result.stderr
+    norm = _update_norm(tmp_path / "run")
+    assert 0.99 * LR * CLIP <= norm <= LR * CLIP * (1 + 1e-9)  # clipped to the whole norm, not each shard's
+
+
+def test_held_out_metrics_during_the_run_in_metrics_and_on_the_console(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_cli("train", "--task", "digits", "--strategy", "fsdp", "--workers", "2", "--steps", "20",
+                     "--eval-every", "10", "--log-every", "10", "--no-progress", "--run-dir", str(run_dir))
+    assert result.returncode == 0, result.stderr
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    [at_10] = [line for line in lines if line["step"] == 10]
+    assert at_10["eval"]["step"] == 10 and 0 <= at_10["eval"]["accuracy"] <= 1
+    assert "eval at step 10: accuracy" in result.stderr
+    assert "eval" not in lines[-1]  # the final evaluation is the report's
+
+
+def test_options_a_strategy_cannot_apply_are_refused(tmp_path):
+    result = run_cli("train", "--task", "tinylm", "--strategy", "pipeline", "--workers", "2", "--clip-grad-norm", "1",
+                     "--run-dir", str(tmp_path / "run"))
+    assert result.returncode == 2 and "without their global norm" in result.stderr
