@@ -124,6 +124,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--simulated-compute-ms", type=float, metavar="MS",
                    help="add MS of simulated compute to every step: benchmarks of the algorithms on few cores")
     p.add_argument("--log-every", type=int, metavar="K", help="metrics line every K steps (default 10)")
+    p.add_argument("--log", action="append", metavar="SINK", choices=["tensorboard"],
+                   help="also write the metrics to SINK: tensorboard (event files in RUN_DIR/tensorboard; needs "
+                   "mlscale[tensorboard]; view with `tensorboard --logdir RUN_DIR`)")
     p.add_argument("--register", metavar="NAME", help="register the final model under NAME when training ends")
     p.add_argument("--json", action="store_true", help="print report.json instead of the summary table")
     p.add_argument("--no-progress", action="store_false", dest="progress", default=None,
@@ -143,7 +146,7 @@ def _train(args: argparse.Namespace) -> int:
         "precision", "device", "run_dir", "resume", "checkpoint_every", "keep_checkpoints", "async_checkpoint",
         "max_restarts", "collective_timeout_s", "faults", "log_every", "sync", "staleness", "ps_servers",
         "backup_workers", "straggler_threshold", "simulated_compute_ms", "progress", "stages", "microbatches",
-        "schedule", "memory_limit_mb", "grad_accum", "compress", "bucket_mb", "clip_grad_norm", "eval_every")}
+        "schedule", "memory_limit_mb", "grad_accum", "compress", "bucket_mb", "clip_grad_norm", "eval_every", "log")}
     if args.task_opt:
         overrides["task_options"] = dict(args.task_opt)
     config = build_config(args.config, **overrides)

@@ -67,6 +67,8 @@ class TrainConfig(BaseModel):
     max_restarts: int = Field(0, ge=0)
     faults: list[str] = Field(default_factory=list)
     log_every: int = Field(10, ge=1)
+    log: list[Literal["tensorboard"]] = Field(default_factory=list,
+                                              description="also write metrics as TensorBoard event files")
     progress: bool = Field(True, description="rank 0 shows a progress bar or periodic lines")
     collective_timeout_s: float = Field(300.0, gt=0)
     warmup_steps_for_throughput: int = Field(5, ge=0)

@@ -14,6 +14,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -67,6 +68,36 @@ def lr_factor(config: TrainConfig, total: int) -> Any:
     return factor
 
 
+class TensorBoardLog:
+    """``--log tensorboard``: the metrics lines as TensorBoard scalars (torch.utils.tensorboard), in
+    ``RUN_DIR/tensorboard`` beside ``metrics.jsonl``: train/loss, train/lr, train/samples_per_s, the
+    per-rank step timings (time/<rank>/<key>) and eval/<metric>."""
+
+    def __init__(self, directory: Path) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise MlscaleError("--log tensorboard needs the tensorboard package: pip install "
+                               "'mlscale[tensorboard]'") from None
+        self.writer = SummaryWriter(log_dir=str(directory))
+
+    def write(self, step: int, loss: float, lr: float, samples_per_s: float, shared: list[list[float]],
+              evaluated: dict[str, float] | None) -> None:
+        self.writer.add_scalar("train/loss", loss, step)
+        self.writer.add_scalar("train/lr", lr, step)
+        self.writer.add_scalar("train/samples_per_s", samples_per_s, step)
+        fixed = 4 + len(TIMING_KEYS)
+        for row in shared:
+            for key, value in zip(TIMING_KEYS, row[4:fixed]):
+                self.writer.add_scalar(f"time/rank{int(row[0])}/{key}", value, step)
+        for key, value in (evaluated or {}).items():
+            if key != "step":
+                self.writer.add_scalar(f"eval/{key}", value, int(evaluated["step"]))
+
+    def close(self) -> None:
+        self.writer.close()
+
+
 @dataclass
 class _Window:
     """What happened since the last log line."""
@@ -109,6 +140,7 @@ class Trainer:
 
         self.step, self.samples_seen = 0, 0
         self.memory: dict[str, float] | None = None
+        self.tensorboard: TensorBoardLog | None = None
         self.pending_eval: dict[str, float] | None = None  # --eval-every: for the next metrics line
         self.learners: list[Learner] = []  # the update rules the strategy asked for (one, or a shard's)
         self.positions = {shard: Position() for shard in range(self.shards)}
@@ -313,6 +345,7 @@ class Trainer:
         loss = sum(r[2] for r in with_loss) / len(with_loss) if with_loss else math.nan
         if self.env.is_main:
             samples_per_s = window.samples / (now() - window.start)
+            evaluated, self.pending_eval = self.pending_eval, None
             self.run_dir.append_metrics({
                 "step": self.step,
                 "epoch": self.positions[0].epoch,
@@ -325,9 +358,10 @@ class Trainer:
                               "straggler_score": round(self.stragglers.scores.get(int(r[0]), 1.0), 3)}
                              for r in shared],
                 "stragglers": flagged,
-                **({"eval": self.pending_eval} if self.pending_eval else {}),
+                **({"eval": evaluated} if evaluated else {}),
             })
-            self.pending_eval = None
+            if self.tensorboard is not None:
+                self.tensorboard.write(self.step, loss, self.strategy.lr(), samples_per_s, shared, evaluated)
             if self.progress is not None:
                 self.progress.update(self.step, loss, samples_per_s, self.stragglers.describe_now())
         return sum(r[3] for r in with_loss) / len(with_loss) if with_loss else math.nan
@@ -336,6 +370,8 @@ class Trainer:
         """Train to the end, checkpoint, evaluate, and (rank 0) write the report."""
         config, records = self.config, self.strategy.keeps_records
         self.loop_start = now()
+        self.tensorboard = TensorBoardLog(self.run_dir.path / "tensorboard") \
+            if "tensorboard" in config.log and self.env.is_main else None
         progress = self.progress = Progress(self.total_steps, self.step) \
             if self.env.is_main and config.progress else None
         if self.recovery is not None:
@@ -375,6 +411,8 @@ class Trainer:
         finally:
             if progress is not None:
                 progress.close()
+            if self.tensorboard is not None:
+                self.tensorboard.close()
         if records and (not config.checkpoint_every or self.step % config.checkpoint_every):
             self._checkpoint(final=True)
         self.checkpointer.wait()

@@ -60,3 +60,20 @@ def test_options_a_strategy_cannot_apply_are_refused(tmp_path):
     result = run_cli("train", "--task", "tinylm", "--strategy", "pipeline", "--workers", "2", "--clip-grad-norm", "1",
                      "--run-dir", str(tmp_path / "run"))
     assert result.returncode == 2 and "without their global norm" in result.stderr
+
+
+def test_tensorboard_event_files_hold_the_metrics_lines(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir = tmp_path / "run"
+    result = run_cli("train", "--task", "digits", "--workers", "2", "--steps", "30", "--log-every", "10",
+                     "--eval-every", "15", "--log", "tensorboard", "--no-progress", "--run-dir", str(run_dir))
+    assert result.returncode == 0, result.stderr
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()  # TensorBoard's own reader
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = events.Scalars("train/loss")
+    assert [e.step for e in losses] == [line["step"] for line in lines] == [10, 20, 30]
+    assert all(abs(e.value - line["loss"]) < 1e-6 for e, line in zip(losses, lines))
+    assert [e.step for e in events.Scalars("eval/accuracy")] == [15]
+    assert "time/rank1/optimizer_ms" in events.Tags()["scalars"]
