@@ -89,6 +89,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    "steps); bytes sent are in report.json communication")
     p.add_argument("--bucket-mb", type=float, metavar="MB", help="ddp: gradient bucket size of the all-reduce "
                    "(default 25, DDP's): smaller buckets start communicating earlier, larger ones send fewer messages")
+    p.add_argument("--compile", action="store_true", default=None, help="torch.compile the model (ddp, in place: "
+                   "weights and checkpoints unchanged); the first steps pay for compiling, report.json has the "
+                   "step times with and without that (`compile`)")
     p.add_argument("--clip-grad-norm", type=float, metavar="X", help="clip the gradients' global L2 norm to X "
                    "before each update (after unscaling under fp16); ddp, fsdp, tp")
     p.add_argument("--eval-every", type=int, metavar="N", help="held-out metrics every N steps, on the console and "
@@ -146,7 +149,8 @@ def _train(args: argparse.Namespace) -> int:
         "precision", "device", "run_dir", "resume", "checkpoint_every", "keep_checkpoints", "async_checkpoint",
         "max_restarts", "collective_timeout_s", "faults", "log_every", "sync", "staleness", "ps_servers",
         "backup_workers", "straggler_threshold", "simulated_compute_ms", "progress", "stages", "microbatches",
-        "schedule", "memory_limit_mb", "grad_accum", "compress", "bucket_mb", "clip_grad_norm", "eval_every", "log")}
+        "schedule", "memory_limit_mb", "grad_accum", "compress", "bucket_mb", "clip_grad_norm", "eval_every", "log",
+        "compile")}
     if args.task_opt:
         overrides["task_options"] = dict(args.task_opt)
     config = build_config(args.config, **overrides)

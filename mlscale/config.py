@@ -44,6 +44,7 @@ class TrainConfig(BaseModel):
     epochs: float | None = Field(None, gt=0)
     batch_size: int = Field(32, ge=1, description="samples per data-parallel replica per micro-step")
     grad_accum: int = Field(1, ge=1, description="micro-steps per optimizer step, synchronised once")
+    compile: bool = Field(False, description="torch.compile the model's forward (ddp)")
     clip_grad_norm: float | None = Field(None, gt=0, description="clip the gradients' global L2 norm to this")
     eval_every: int = Field(0, ge=0, description="held-out metrics every N steps (0: at the end only)")
     compress: Literal["none", "fp16", "bf16", "powersgd"] = Field(

@@ -157,6 +157,7 @@ class Strategy(ABC):
     compresses: ClassVar[bool] = False  # honours --compress (a DDP communication hook)
     clips_globally: ClassVar[bool] = False  # each rank's update sees every gradient (or their DTensor shards)
     evaluates_during_training: ClassVar[bool] = False  # has an ``evaluator()``
+    compiles: ClassVar[bool] = False  # honours --compile
 
     def __init__(self, env: DistEnv, config: TrainConfig) -> None:
         self.env, self.config = env, config
@@ -196,6 +197,9 @@ class Strategy(ABC):
         if config.clip_grad_norm is not None and not cls.clips_globally:
             raise UsageError(f"bad value clip-grad-norm={config.clip_grad_norm:g}: --strategy {cls.name} holds the "
                              "gradients on several ranks without their global norm (use ddp, fsdp or tp)")
+        if config.compile and not cls.compiles:
+            raise UsageError(f"bad value compile=True: --compile is built for ddp (and one worker) here; --strategy "
+                             f"{cls.name} runs its model uncompiled")
         if config.eval_every and not cls.evaluates_during_training:
             raise UsageError(f"bad value eval-every={config.eval_every}: --strategy {cls.name} evaluates at the "
                              "end only (use ddp, fsdp or tp)")

@@ -77,3 +77,14 @@ def test_tensorboard_event_files_hold_the_metrics_lines(tmp_path):
     assert all(abs(e.value - line["loss"]) < 1e-6 for e, line in zip(losses, lines))
     assert [e.step for e in events.Scalars("eval/accuracy")] == [15]
     assert "time/rank1/optimizer_ms" in events.Tags()["scalars"]
+
+
+def test_a_compiled_model_trains_like_the_eager_one_and_reports_its_compile_step(tmp_path):
+    options = dict(task="digits", steps=20, progress=False)
+    eager = fit(TrainConfig(**options, run_dir=str(tmp_path / "eager")))
+    compiled = fit(TrainConfig(**options, compile=True, run_dir=str(tmp_path / "compiled")))
+    a, b = final_weights(tmp_path / "eager"), final_weights(tmp_path / "compiled")
+    assert a.keys() == b.keys()  # compiled in place: the same names (no _orig_mod.), the same checkpoints
+    assert max((a[k] - b[k]).abs().max().item() for k in a) <= 1e-4  # float32, fused kernels round differently
+    assert compiled["compile"]["enabled"] and not eager["compile"]["enabled"]
+    assert compiled["compile"]["first_step_ms"] > compiled["per_rank"][0]["step_ms_p50"]

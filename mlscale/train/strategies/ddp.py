@@ -77,6 +77,7 @@ class DDPStrategy(ReplicaStrategy):
     name = "ddp"
     replicated = True
     compresses = True
+    compiles = True
 
     def wrap(self, model: nn.Module) -> nn.Module:
         device_ids = [self.env.device] if self.env.device.type == "cuda" else None
@@ -94,7 +95,8 @@ class DDPStrategy(ReplicaStrategy):
                                   "allreduce_buckets_per_step": self.comm.calls / steps if steps else 0.0,
                                   "bytes_sent": sent_bytes, "bytes_sent_per_step": sent_bytes / steps if steps else 0.0,
                                   "compress": self.config.compress, "bucket_mb": self.config.bucket_mb,
-                                  "grad_accum": self.config.grad_accum}}
+                                  "grad_accum": self.config.grad_accum},
+                "compile": {"enabled": self.config.compile, "first_step_ms": self.first_step_ms}}
 
     def synchronising(self, sync: bool) -> contextlib.AbstractContextManager[object]:
         if sync or not isinstance(self.module, DistributedDataParallel):

@@ -32,12 +32,15 @@ class ReplicaStrategy(Strategy):
 
     def setup(self, setup: Setup) -> None:
         self.plain, self.build_plain = setup.model, setup.build_model
+        if self.config.compile:  # in place: the module, its parameters and their names stay the same
+            setup.model.compile()
         self.module: nn.Module = self.wrap(setup.model) if self.env.distributed else setup.model
         self.learner: Learner = setup.make_learner(self.module.parameters())
         self.loss_fn, self.total_steps = setup.loss_fn, setup.total_steps
         self.steps_done, self.global_batch = setup.start_step, setup.global_batch
         self.start_step = setup.start_step
         self.activations_mb: float | None = None
+        self.first_step_ms: float | None = None
 
     def step(self, batch: Batch | None) -> StepResult:
         assert batch is not None, f"every {self.name} rank reads data"
@@ -67,6 +70,8 @@ class ReplicaStrategy(Strategy):
         comm_ms, exposed_ms = self.comm.take(backward_end)
         row = StepRow(self.env.rank, loss.detach(), step_ms, step_ms - batch.data_ms - exposed_ms - optimizer_ms,
                       comm_ms, exposed_ms, batch.data_ms, optimizer_ms)
+        if self.first_step_ms is None:
+            self.first_step_ms = step_ms  # with --compile: includes compiling the model
         self.steps_done += 1
         return StepResult(step=self.steps_done, done=self.steps_done >= self.total_steps, samples=self.global_batch,
                           rows=[row], positions=dict.fromkeys(range(self.shards), batch.position))
