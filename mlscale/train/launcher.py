@@ -105,6 +105,12 @@ def check_job(config: TrainConfig, train_size: int, world: int,
     strategy = strategy_class(config.strategy)
     strategy.check(config, world)
     strategy.check_training_options(config)
+    if "tensorboard" in config.log:
+        try:
+            import torch.utils.tensorboard
+        except ImportError:
+            raise UsageError("bad value log='tensorboard': needs the tensorboard package (pip install "
+                             "'mlscale[tensorboard]')") from None
     if config.compress != "none" and not strategy.compresses:
         raise UsageError(f"bad value compress={config.compress!r}: gradient compression is a DDP communication "
                          f"hook; --strategy {config.strategy} does not all-reduce through DDP (use --strategy ddp)")

@@ -59,6 +59,8 @@ class SavedActivations:
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        if isinstance(tensor, torch.nn.Parameter):  # a weight (FSDP's gathered ones too), not an activation
+            return tensor
         storage = _local(tensor).untyped_storage()
         if storage.data_ptr() not in self._seen:
             self._seen.add(storage.data_ptr())

@@ -69,7 +69,8 @@ def load_module_state(model: nn.Module, learner: Learner, state: TrainState, *, 
                    optim_state_dict={"state": optimizer, "param_groups": groups},
                    options=StateDictOptions(strict=strict))
     learner.scheduler.load_state_dict(state.meta["scheduler"])
-    learner.scaler.load_state_dict(state.meta["scaler"])
+    if state.meta["scaler"] and learner.scaler.is_enabled():  # an fp32/bf16 checkpoint has no scaler state
+        learner.scaler.load_state_dict(state.meta["scaler"])
 
 
 def assemble(build: Callable[[], nn.Module], state: dict[str, torch.Tensor]) -> nn.Module:

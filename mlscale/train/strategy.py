@@ -158,6 +158,7 @@ class Strategy(ABC):
     clips_globally: ClassVar[bool] = False  # each rank's update sees every gradient (or their DTensor shards)
     evaluates_during_training: ClassVar[bool] = False  # has an ``evaluator()``
     compiles: ClassVar[bool] = False  # honours --compile
+    backward_through_learner: ClassVar[bool] = False  # Learner.backward runs the backward (--fault inf_grad)
 
     def __init__(self, env: DistEnv, config: TrainConfig) -> None:
         self.env, self.config = env, config
@@ -197,6 +198,9 @@ class Strategy(ABC):
         if config.clip_grad_norm is not None and not cls.clips_globally:
             raise UsageError(f"bad value clip-grad-norm={config.clip_grad_norm:g}: --strategy {cls.name} holds the "
                              "gradients on several ranks without their global norm (use ddp, fsdp or tp)")
+        if any(spec.startswith("inf_grad") for spec in config.faults) and not cls.backward_through_learner:
+            raise UsageError(f"bad value fault='inf_grad': --strategy {cls.name} runs its backward passes itself "
+                             "(ddp, fsdp and tp take this fault)")
         if config.compile and not cls.compiles:
             raise UsageError(f"bad value compile=True: --compile is built for ddp (and one worker) here; --strategy "
                              f"{cls.name} runs its model uncompiled")

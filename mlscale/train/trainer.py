@@ -82,7 +82,7 @@ class TensorBoardLog:
         self.writer = SummaryWriter(log_dir=str(directory))
 
     def write(self, step: int, loss: float, lr: float, samples_per_s: float, shared: list[list[float]],
-              evaluated: dict[str, float] | None) -> None:
+              evaluated: list[dict[str, float]]) -> None:
         self.writer.add_scalar("train/loss", loss, step)
         self.writer.add_scalar("train/lr", lr, step)
         self.writer.add_scalar("train/samples_per_s", samples_per_s, step)
@@ -90,9 +90,10 @@ class TensorBoardLog:
         for row in shared:
             for key, value in zip(TIMING_KEYS, row[4:fixed]):
                 self.writer.add_scalar(f"time/rank{int(row[0])}/{key}", value, step)
-        for key, value in (evaluated or {}).items():
-            if key != "step":
-                self.writer.add_scalar(f"eval/{key}", value, int(evaluated["step"]))
+        for metrics in evaluated:
+            for key, value in metrics.items():
+                if key != "step":
+                    self.writer.add_scalar(f"eval/{key}", value, int(metrics["step"]))
 
     def close(self) -> None:
         self.writer.close()
@@ -141,7 +142,7 @@ class Trainer:
         self.step, self.samples_seen = 0, 0
         self.memory: dict[str, float] | None = None
         self.tensorboard: TensorBoardLog | None = None
-        self.pending_eval: dict[str, float] | None = None  # --eval-every: for the next metrics line
+        self.pending_eval: list[dict[str, float]] = []  # --eval-every: for the next metrics line
         self.learners: list[Learner] = []  # the update rules the strategy asked for (one, or a shard's)
         self.positions = {shard: Position() for shard in range(self.shards)}
         self.resumed_from: int | None = None
@@ -252,7 +253,7 @@ class Trainer:
         if self.env.is_main and old_batch != self.global_batch:
             print(f"mlscale: resuming step {self.step} of a {saved['workers']}-worker run on "
                   f"{self.shards}: global batch {old_batch} -> {self.global_batch}"
-                  f" (--batch-size {old_batch // self.shards} keeps it)", file=sys.stderr)
+                  f" (--batch-size {old_batch // (self.shards * self.config.grad_accum)} keeps it)", file=sys.stderr)
 
     def _checkpoint(self, final: bool = False) -> None:
         """Save a checkpoint; the time the training thread was held goes into the stall statistics
@@ -316,15 +317,16 @@ class Trainer:
         elif self.env.is_main:
             print(text, file=sys.stderr, flush=True)
 
-    def _evaluate_now(self) -> None:
-        """``--eval-every``: held-out metrics now, kept for the next metrics line and the progress line."""
+    def _evaluate_now(self) -> float:
+        """``--eval-every``: held-out metrics now, kept for the next metrics line; the seconds it took."""
+        start = now()
         model = self.strategy.evaluator()
-        if model is None:
-            return
-        metrics = self.evaluate(model)
-        if self.env.is_main:
-            self.pending_eval = {"step": self.step, **metrics}
-            self._say(f"eval at step {self.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+        if model is not None:
+            metrics = self.evaluate(model)
+            if self.env.is_main:
+                self.pending_eval.append({"step": self.step, **metrics})
+                self._say(f"eval at step {self.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+        return now() - start
 
     def _log(self, window: _Window) -> float:
         """Share loss and timings among record keepers; rank 0 writes a metrics line. Returns the loss."""
@@ -345,7 +347,7 @@ class Trainer:
         loss = sum(r[2] for r in with_loss) / len(with_loss) if with_loss else math.nan
         if self.env.is_main:
             samples_per_s = window.samples / (now() - window.start)
-            evaluated, self.pending_eval = self.pending_eval, None
+            evaluated, self.pending_eval = self.pending_eval, []
             self.run_dir.append_metrics({
                 "step": self.step,
                 "epoch": self.positions[0].epoch,
@@ -398,7 +400,10 @@ class Trainer:
                 elif self.step - start_step >= warm:
                     measure_from = (now(), self.step)
                 if config.eval_every and self.step % config.eval_every == 0 and not done:
-                    self._evaluate_now()
+                    spent = self._evaluate_now()  # not training time: left out of the throughput
+                    window.start += spent
+                    if measure_from is not None:
+                        measure_from = (measure_from[0] + spent, measure_from[1])
                 if self.step % config.log_every == 0 or done:
                     final_loss = self._log(window)
                     window = _Window()

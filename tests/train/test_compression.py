@@ -38,7 +38,10 @@ def test_powersgd_sends_a_fraction_of_the_bytes_and_trains_within_tolerance(unco
     assert report["eval"]["loss"] <= 1.15 * uncompressed["eval"]["loss"]
 
 
-def test_compression_outside_ddp_is_refused_before_any_process_starts(tmp_path):
-    result = run_cli("train", "--task", "digits", "--strategy", "fsdp", "--workers", "2", "--compress", "fp16",
-                     "--run-dir", str(tmp_path / "run"))
-    assert result.returncode == 2 and "a DDP communication hook" in result.stderr
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--strategy", "fsdp", "--compress", "fp16"], "a DDP communication hook"),
+    (["--compress", "powersgd", "--fp16"], "poison PowerSGD's error feedback"),
+])
+def test_compression_it_cannot_do_right_is_refused_before_any_process_starts(flags, message, tmp_path):
+    result = run_cli("train", "--task", "digits", "--workers", "2", *flags, "--run-dir", str(tmp_path / "run"))
+    assert result.returncode == 2 and message in result.stderr, result.stderr

@@ -51,7 +51,8 @@ def test_held_out_metrics_during_the_run_in_metrics_and_on_the_console(tmp_path)
     assert result.returncode == 0, result.stderr
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     [at_10] = [line for line in lines if line["step"] == 10]
-    assert at_10["eval"]["step"] == 10 and 0 <= at_10["eval"]["accuracy"] <= 1
+    [evaluated] = at_10["eval"]
+    assert evaluated["step"] == 10 and 0 <= evaluated["accuracy"] <= 1
     assert "eval at step 10: accuracy" in result.stderr
     assert "eval" not in lines[-1]  # the final evaluation is the report's
 
@@ -67,7 +68,7 @@ def test_tensorboard_event_files_hold_the_metrics_lines(tmp_path):
 
     run_dir = tmp_path / "run"
     result = run_cli("train", "--task", "digits", "--workers", "2", "--steps", "30", "--log-every", "10",
-                     "--eval-every", "15", "--log", "tensorboard", "--no-progress", "--run-dir", str(run_dir))
+                     "--eval-every", "4", "--log", "tensorboard", "--no-progress", "--run-dir", str(run_dir))
     assert result.returncode == 0, result.stderr
     events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()  # TensorBoard's own reader
@@ -75,7 +76,8 @@ def test_tensorboard_event_files_hold_the_metrics_lines(tmp_path):
     losses = events.Scalars("train/loss")
     assert [e.step for e in losses] == [line["step"] for line in lines] == [10, 20, 30]
     assert all(abs(e.value - line["loss"]) < 1e-6 for e, line in zip(losses, lines))
-    assert [e.step for e in events.Scalars("eval/accuracy")] == [15]
+    assert [e.step for e in events.Scalars("eval/accuracy")] == [4, 8, 12, 16, 20, 24, 28]
+    assert [e["step"] for e in lines[0]["eval"]] == [4, 8]  # two evaluations before the first line: both kept
     assert "time/rank1/optimizer_ms" in events.Tags()["scalars"]
 
 

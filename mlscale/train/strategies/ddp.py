@@ -17,6 +17,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from mlscale.config import TrainConfig
+from mlscale.errors import UsageError
 from mlscale.train.strategies.replica import ReplicaStrategy
 from mlscale.train.timing import CommTimer
 
@@ -31,25 +33,25 @@ class CommState:
     compress: str
     bytes_sent: int = 0
 
-    def bucket_bytes(self, bucket: dist.GradBucket) -> int:
-        """Bytes this rank contributes to the all-reduces of ``bucket``, from the tensors sent."""
+    def bucket_bytes(self, bucket: dist.GradBucket, powersgd_elements: int) -> int:
+        """Bytes this rank contributes to the all-reduces of ``bucket``, from the tensors sent.
+        ``powersgd_elements``: what PowerSGD counted for this bucket (its factors P and Q of the matrices
+        it compresses, plus the tensors it sends as they are); 0 in its uncompressed first steps."""
         buffer = bucket.buffer()
         if self.compress in ("fp16", "bf16"):
             return buffer.numel() * 2  # the bucket is cast to 16 bits before the all-reduce
-        if self.compress == "powersgd" and bucket.index() in self.inner.p_memory_dict:
-            # Compressed: the low-rank factors P and Q of each matrix, and the 1-D tensors (biases) as they are.
-            index = bucket.index()
-            low_rank = self.inner.p_memory_dict[index].numel() + self.inner.q_memory_dict[index].numel()
-            flat = sum(g.numel() for g in bucket.gradients() if g.dim() <= 1)
-            return (low_rank + flat) * buffer.element_size()
+        if powersgd_elements:
+            return powersgd_elements * buffer.element_size()
         return buffer.numel() * buffer.element_size()
 
 
 # No ``from __future__ import annotations`` here: DDP checks the hook's annotations at run time.
 def _timed_hook(state: CommState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     start = state.timer.launched()
+    counted = state.inner.total_numel_after_compression if state.compress == "powersgd" else 0
     future = state.hook(state.inner, bucket)
-    state.bytes_sent += state.bucket_bytes(bucket)
+    after = state.inner.total_numel_after_compression if state.compress == "powersgd" else 0
+    state.bytes_sent += state.bucket_bytes(bucket, after - counted)
 
     def done(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
         state.timer.finished(start)
@@ -78,6 +80,13 @@ class DDPStrategy(ReplicaStrategy):
     replicated = True
     compresses = True
     compiles = True
+
+    @classmethod
+    def check(cls, config: TrainConfig, world: int) -> None:
+        if config.compress == "powersgd" and config.precision == "fp16":
+            raise UsageError("bad value compress='powersgd': with --precision fp16 the all-reduced gradients are "
+                             "loss-scaled, and one overflow would poison PowerSGD's error feedback for good; use "
+                             "--precision bf16, or fp16 compression")
 
     def wrap(self, model: nn.Module) -> nn.Module:
         device_ids = [self.env.device] if self.env.device.type == "cuda" else None

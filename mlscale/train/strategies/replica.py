@@ -26,6 +26,7 @@ class ReplicaStrategy(Strategy):
     replicated: ClassVar[bool] = False  # every rank holds the whole model (ddp), else it is split
     clips_globally = True
     evaluates_during_training = True
+    backward_through_learner = True
 
     def wrap(self, model: nn.Module) -> nn.Module:
         return model

@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from mlscale.config import TrainConfig
+from mlscale.errors import UsageError
 from mlscale.train.parallelize import apply_fsdp, apply_tp, check_tp_divides, tp_plan
 from mlscale.train.strategies.replica import ReplicaStrategy
 
@@ -39,6 +40,15 @@ class FSDPStrategy(ReplicaStrategy):
 
 class TensorParallelStrategy(ReplicaStrategy):
     name = "tp"
+    # The split layers' parameters are DTensors, the rest (embeddings, norms, head) plain tensors, and
+    # torch's foreach kernels behind clip_grad_norm_ and the fp16 scaler's unscale refuse the mix.
+    clips_globally = False
+
+    @classmethod
+    def check(cls, config: TrainConfig, world: int) -> None:
+        if config.precision == "fp16":
+            raise UsageError("bad value precision='fp16': the loss scaler cannot unscale tp's mix of split "
+                             "(DTensor) and replicated gradients; use bf16 or fp32")
 
     @classmethod
     def data_shards(cls, config: TrainConfig, world: int) -> list[int | None]:
