@@ -93,7 +93,7 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    "weights and checkpoints unchanged); the first steps pay for compiling, report.json has the "
                    "step times with and without that (`compile`)")
     p.add_argument("--clip-grad-norm", type=float, metavar="X", help="clip the gradients' global L2 norm to X "
-                   "before each update (after unscaling under fp16); ddp, fsdp, tp")
+                   "before each update (after unscaling under fp16); ddp, fsdp")
     p.add_argument("--eval-every", type=int, metavar="N", help="held-out metrics every N steps, on the console and "
                    "in metrics.jsonl (`eval`); default: at the end only. ddp, fsdp, tp")
     p.add_argument("--lr", type=float, help="peak learning rate (default 0.05)")
