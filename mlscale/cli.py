@@ -37,6 +37,15 @@ def _task_option(text: str) -> tuple[str, Any]:
     return key, {"true": True, "false": False}.get(raw.lower(), raw)
 
 
+def _workers(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of workers or 'auto', got {text!r}") from None
+
+
 def _add_train(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train a model on one or more workers",
                        description="Train a task with a parallel strategy. Values from --config are "
@@ -126,6 +135,15 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    help="flag a rank whose compute + data wait is X times the fastest rank's (default 1.5)")
     p.add_argument("--simulated-compute-ms", type=float, metavar="MS",
                    help="add MS of simulated compute to every step: benchmarks of the algorithms on few cores")
+    data = p.add_argument_group("input pipeline")
+    data.add_argument("--data-workers", type=_workers, metavar="N|auto", help="DataLoader worker processes that "
+                      "load (and transform) batches ahead of training (default 0: in the training process); auto: "
+                      "measures 0, 1, 2, 4... and says what it picked. The batches and the resume position are "
+                      "the same with any number")
+    data.add_argument("--data-prefetch", type=int, metavar="B", help="batches each data worker prepares ahead "
+                      "(default 2)")
+    data.add_argument("--data-cache", action="store_true", default=None, help="keep the task's transformed "
+                      "samples in shared memory as the first epoch makes them; later epochs skip the transform")
     p.add_argument("--log-every", type=int, metavar="K", help="metrics line every K steps (default 10)")
     p.add_argument("--log", action="append", metavar="SINK", choices=["tensorboard"],
                    help="also write the metrics to SINK: tensorboard (event files in RUN_DIR/tensorboard; needs "
@@ -150,7 +168,7 @@ def _train(args: argparse.Namespace) -> int:
         "max_restarts", "collective_timeout_s", "faults", "log_every", "sync", "staleness", "ps_servers",
         "backup_workers", "straggler_threshold", "simulated_compute_ms", "progress", "stages", "microbatches",
         "schedule", "memory_limit_mb", "grad_accum", "compress", "bucket_mb", "clip_grad_norm", "eval_every", "log",
-        "compile")}
+        "compile", "data_workers", "data_prefetch", "data_cache")}
     if args.task_opt:
         overrides["task_options"] = dict(args.task_opt)
     config = build_config(args.config, **overrides)
@@ -233,6 +251,7 @@ BENCHMARKS = {
     "train": ("mlscale.bench.train", "our trainer vs a plain hand-written DDP loop"),
     "model-parallel": ("mlscale.bench.model_parallel", "pipeline bubble vs (P-1)/(M+P-1); memory per rank, "
                        "ddp vs fsdp vs pipeline"),
+    "data": ("mlscale.bench.data", "input pipeline: data wait and samples/s, naive vs workers vs cache"),
     "checkpoint": ("mlscale.bench.checkpoint", "training stall of checkpointing, blocking vs async"),
     "export": ("mlscale.bench.export", "inference latency, onnxruntime vs eager torch, digits models"),
     "serve": ("mlscale.bench.serve", "serving goodput at an SLO vs LitServe, FastAPI and offline"),

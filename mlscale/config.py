@@ -67,6 +67,9 @@ class TrainConfig(BaseModel):
     async_checkpoint: bool = Field(True, description="write checkpoints on a background thread")
     max_restarts: int = Field(0, ge=0)
     faults: list[str] = Field(default_factory=list)
+    data_workers: int | Literal["auto"] = Field(0, description="input pipeline worker processes (auto: measured)")
+    data_prefetch: int = Field(2, ge=1, description="batches each data worker prepares ahead")
+    data_cache: bool = Field(False, description="keep transformed samples in shared memory after the first epoch")
     log_every: int = Field(10, ge=1)
     log: list[Literal["tensorboard"]] = Field(default_factory=list,
                                               description="also write metrics as TensorBoard event files")
@@ -89,6 +92,13 @@ class TrainConfig(BaseModel):
     def step_batch(self) -> int:
         """Samples per data-parallel replica per optimizer step: ``batch_size x grad_accum``."""
         return self.batch_size * self.grad_accum
+
+    @field_validator("data_workers")
+    @classmethod
+    def _workers_not_negative(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and value < 0:
+            raise ValueError("must be 0 or more, or 'auto'")
+        return value
 
     @model_validator(mode="after")
     def _one_length(self) -> TrainConfig:

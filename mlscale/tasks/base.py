@@ -57,3 +57,6 @@ class Task:
     loss_fn: LossFn = nn.functional.cross_entropy
     metrics_fn: MetricsFn = classification_metrics
     info: dict[str, object] = field(default_factory=dict)
+    # A deterministic per-sample transform of the inputs, run by the input pipeline (in its worker
+    # processes, cached with --data-cache); the model sees transformed samples, also at eval.
+    transform: Callable[[torch.Tensor], torch.Tensor] | None = None

@@ -29,6 +29,7 @@ def make_synthetic(
     width: int = 256,
     depth: int = 2,
     data_seed: int = 1234,
+    transform_rounds: int = 0,
 ) -> Task:
     if kind not in ("classification", "regression"):
         raise ValueError(f"kind must be 'classification' or 'regression', not {kind!r}")
@@ -55,4 +56,23 @@ def make_synthetic(
     )
     if metrics_fn is not None:
         task.metrics_fn = metrics_fn
+    if transform_rounds:
+        task.transform = ExpensiveTransform(features, transform_rounds, data_seed)
+        task.eval = TensorData(torch.stack([task.transform(x) for x in task.eval.inputs]), task.eval.targets)
     return task
+
+
+class ExpensiveTransform:
+    """Benchmarks of the input pipeline: a deterministic, CPU-bound per-sample transform (``rounds``
+    rotations of the sample by a fixed orthogonal matrix, which keep it learnable)."""
+
+    def __init__(self, features: int, rounds: int, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed + 1)
+        self.rotation, _ = torch.linalg.qr(torch.randn(features, features, generator=generator))
+        self.rounds = rounds
+
+    def __call__(self, sample: torch.Tensor) -> torch.Tensor:
+        rotation = self.rotation.to(sample.dtype)
+        for _ in range(self.rounds):
+            sample = rotation @ sample
+        return sample

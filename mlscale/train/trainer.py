@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from mlscale.config import TrainConfig
 from mlscale.data import Position, ShardLoader, steps_per_epoch
+from mlscale.data.pipeline import PipelineLoader, autotune_workers, describe_choice
 from mlscale.errors import MlscaleError
 from mlscale.lineage import code_version, data_fingerprint
 from mlscale.rundir import RunDir
@@ -141,6 +142,7 @@ class Trainer:
 
         self.step, self.samples_seen = 0, 0
         self.memory: dict[str, float] | None = None
+        self.data_workers = 0  # what the input pipeline runs with (--data-workers auto: measured)
         self.tensorboard: TensorBoardLog | None = None
         self.pending_eval: list[dict[str, float]] = []  # --eval-every: for the next metrics line
         self.learners: list[Learner] = []  # the update rules the strategy asked for (one, or a shard's)
@@ -167,9 +169,29 @@ class Trainer:
         if env.attempt > 0 and env.is_main:
             self.recovery = RecoveryTracker(run_dir.path, run_dir.path / "heartbeat", run_dir.logs / "faults.jsonl",
                                             attempt=env.attempt, resumed_from=self.step)
-        self.loader = None if self.shard is None else ShardLoader(
-            self.train_data, rank=self.shard, world=self.shards, batch_size=config.step_batch, seed=config.seed,
-            position=self.positions[self.shard])
+        self.loader = None if self.shard is None else self._make_loader()
+
+    def _make_loader(self) -> ShardLoader | PipelineLoader:
+        """In-memory batches (``ShardLoader``), or the input pipeline when the task transforms samples or
+        ``--data-workers`` asks for worker processes; the same batches and positions either way."""
+        config, shard = self.config, self.shard
+        assert shard is not None
+        plain = dict(rank=shard, world=self.shards, batch_size=config.step_batch, seed=config.seed)
+        if config.data_workers == 0 and self.task.transform is None:
+            return ShardLoader(self.train_data, position=self.positions[shard], **plain)
+
+        def make(workers: int) -> PipelineLoader:
+            return PipelineLoader(self.train_data, position=self.positions[shard], workers=workers,
+                                  prefetch=config.data_prefetch, transform=self.task.transform,
+                                  cache=config.data_cache, pin_memory=self.env.device.type == "cuda", **plain)
+
+        workers = config.data_workers
+        if workers == "auto":
+            workers, timings = autotune_workers(make)
+            if self.env.is_main:
+                print(describe_choice(workers, timings), file=sys.stderr, flush=True)
+        self.data_workers = int(workers)
+        return make(self.data_workers)
 
     # -- state --------------------------------------------------------------------------------
     def _make_learner(self, params: Any) -> Learner:
@@ -414,6 +436,8 @@ class Trainer:
             self.checkpointer.finish_in_flight(min(30.0, config.collective_timeout_s))
             raise
         finally:
+            if isinstance(self.loader, PipelineLoader):
+                self.loader.close()  # its worker processes
             if progress is not None:
                 progress.close()
             if self.tensorboard is not None:
@@ -481,6 +505,8 @@ class Trainer:
                 "write_ms_p50": median(self.checkpointer.write_ms),
             },
             "per_rank": per_rank,
+            "data": {"workers": self.data_workers, "prefetch": self.config.data_prefetch,
+                     "cache": self.config.data_cache, "transform": self.task.transform is not None},
             "memory": memory,
             "stragglers": sorted(self.stragglers.first_flagged),
             "straggler_detection": self.stragglers.summary(),
