@@ -58,5 +58,5 @@ class Task:
     metrics_fn: MetricsFn = classification_metrics
     info: dict[str, object] = field(default_factory=dict)
     # A deterministic per-sample transform of the inputs, run by the input pipeline (in its worker
-    # processes, cached with --data-cache); the model sees transformed samples, also at eval.
+    # processes, cached with --data-cache); the trainer transforms the eval split the same way.
     transform: Callable[[torch.Tensor], torch.Tensor] | None = None

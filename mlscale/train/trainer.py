@@ -27,7 +27,7 @@ from mlscale.data.pipeline import PipelineLoader, autotune_workers, describe_cho
 from mlscale.errors import MlscaleError
 from mlscale.lineage import code_version, data_fingerprint
 from mlscale.rundir import RunDir
-from mlscale.tasks import make_task
+from mlscale.tasks import TensorData, make_task
 from mlscale.train.checkpoint import Checkpointer, capture_rng, restore_rng
 from mlscale.train.dist import DistEnv, broadcast_int
 from mlscale.train.faults import FaultInjector
@@ -143,6 +143,7 @@ class Trainer:
         self.step, self.samples_seen = 0, 0
         self.memory: dict[str, float] | None = None
         self.data_workers = 0  # what the input pipeline runs with (--data-workers auto: measured)
+        self.eval_data: TensorData | None = None
         self.tensorboard: TensorBoardLog | None = None
         self.pending_eval: list[dict[str, float]] = []  # --eval-every: for the next metrics line
         self.learners: list[Learner] = []  # the update rules the strategy asked for (one, or a shard's)
@@ -451,8 +452,17 @@ class Trainer:
         return report
 
     # -- the end ------------------------------------------------------------------------------
+    def _eval_data(self) -> TensorData:
+        """The held-out split as the model sees it: transformed as the training samples are (once)."""
+        if self.eval_data is None:
+            data = self.task.eval.to(self.dtype)
+            if self.task.transform is not None:
+                data = TensorData(torch.stack([self.task.transform(x) for x in data.inputs]), data.targets)
+            self.eval_data = data
+        return self.eval_data
+
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
-        data = self.task.eval.to(self.dtype)
+        data = self._eval_data()
         device = next(model.parameters()).device  # a split model is assembled on the CPU
         model.eval()
         with torch.no_grad():
