@@ -91,3 +91,23 @@ def release(learner: Learner) -> None:
     written), making room to gather the trained model."""
     learner.optimizer.zero_grad(set_to_none=True)
     learner.optimizer.state.clear()
+
+
+class OneModuleState:
+    """For a strategy that trains one module (``self.module``: plain, DDP, FSDP2, tensor parallel or a
+    pipeline stage) with one update rule (``self.learner``): its checkpoint state and learning rate."""
+
+    module: nn.Module
+    learner: Learner
+
+    def lr(self) -> float:
+        return self.learner.scheduler.get_last_lr()[0]
+
+    def train_state(self) -> TrainState:
+        return module_state(self.module, self.learner)
+
+    def state_template(self) -> TrainState:
+        return module_state(self.module, self.learner, for_load=True)
+
+    def load_train_state(self, state: TrainState) -> None:
+        load_module_state(self.module, self.learner, state)

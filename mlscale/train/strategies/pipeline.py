@@ -29,11 +29,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from mlscale.config import TrainConfig
 from mlscale.errors import UsageError
-from mlscale.train.checkpoint import TrainState
 from mlscale.train.dist import all_gather_rows, receive_state, send_state
 from mlscale.train.memory import state_memory
 from mlscale.train.parallelize import StagePlan, keep_stage, plan_stages
-from mlscale.train.state import assemble, load_module_state, module_state, release
+from mlscale.train.state import OneModuleState, assemble, release
 from mlscale.train.strategy import Batch, Learner, Setup, StepResult, StepRow, Strategy
 from mlscale.train.timing import now
 
@@ -53,7 +52,7 @@ class _SimulatedWork(torch.autograd.Function):
         return grad, None, None
 
 
-class PipelineStrategy(Strategy):
+class PipelineStrategy(OneModuleState, Strategy):
     name = "pipeline"
 
     @classmethod
@@ -146,23 +145,11 @@ class PipelineStrategy(Strategy):
                           rows=[row], positions=dict.fromkeys(range(self.shards), batch.position))
 
     # -- records -----------------------------------------------------------------------------------
-    def lr(self) -> float:
-        return self.learner.scheduler.get_last_lr()[0]
-
     def share(self, rows: list[list[float]]) -> list[list[float]]:
         return all_gather_rows(self.env, rows)
 
     def memory(self) -> dict[str, float]:
         return state_memory(self.stage_model.parameters(), [self.learner.optimizer])
-
-    def train_state(self) -> TrainState:
-        return module_state(self.module, self.learner)
-
-    def state_template(self) -> TrainState:
-        return module_state(self.module, self.learner, for_load=True)
-
-    def load_train_state(self, state: TrainState) -> None:
-        load_module_state(self.module, self.learner, state)
 
     def full_model(self) -> nn.Module | None:
         """Replica 0's stages send their parameters to rank 0, which assembles the plain model."""

@@ -12,15 +12,14 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from mlscale.train.checkpoint import TrainState
 from mlscale.train.dist import all_gather_floats
 from mlscale.train.memory import SavedActivations, state_memory
-from mlscale.train.state import assemble, load_module_state, module_state, release
+from mlscale.train.state import OneModuleState, assemble, release
 from mlscale.train.strategy import Batch, Learner, Setup, StepResult, StepRow, Strategy
 from mlscale.train.timing import now
 
 
-class ReplicaStrategy(Strategy):
+class ReplicaStrategy(OneModuleState, Strategy):
     """Subclasses implement ``wrap``; with one process the plain model trains unwrapped."""
 
     replicated: ClassVar[bool] = False  # every rank holds the whole model (ddp), else it is split
@@ -82,9 +81,6 @@ class ReplicaStrategy(Strategy):
         of ``--grad-accum`` micro-steps) or only accumulated locally."""
         return contextlib.nullcontext()
 
-    def lr(self) -> float:
-        return self.learner.scheduler.get_last_lr()[0]
-
     def share(self, rows: list[list[float]]) -> list[list[float]]:
         (own,) = rows
         return all_gather_floats(self.env, own)
@@ -97,15 +93,6 @@ class ReplicaStrategy(Strategy):
     def memory(self) -> dict[str, float]:
         return {**state_memory(self.module.parameters(), [self.learner.optimizer]),
                 "activations_mb": self.activations_mb or 0.0}
-
-    def train_state(self) -> TrainState:
-        return module_state(self.module, self.learner)
-
-    def state_template(self) -> TrainState:
-        return module_state(self.module, self.learner, for_load=True)
-
-    def load_train_state(self, state: TrainState) -> None:
-        load_module_state(self.module, self.learner, state)
 
     def full_model(self) -> nn.Module | None:
         if self.replicated or not self.env.distributed:
