@@ -132,15 +132,19 @@ def test_pipeline_with_data_parallel_replicas_trains_like_ddp(runs):
     assert report_of(run_dir)["workers"] == 2
 
 
-def test_tensor_parallel_blocks_train_like_one_worker(runs):
-    run_dir = runs / "tp"
-    train(run_dir, "--strategy", "tp", "--workers", "2", "--batch-size", "8")
-    assert max_abs_diff(final_weights(run_dir), final_weights(runs / "one")) <= EXACT
+@pytest.fixture(scope="module")
+def tp_run(runs):
+    train(runs / "tp", "--strategy", "tp", "--workers", "2", "--batch-size", "8")
+    return runs / "tp"
 
 
-def test_a_tensor_parallel_checkpoint_resumes_as_one_plain_worker(runs, tmp_path):
+def test_tensor_parallel_blocks_train_like_one_worker(runs, tp_run):
+    assert max_abs_diff(final_weights(tp_run), final_weights(runs / "one")) <= EXACT
+
+
+def test_a_tensor_parallel_checkpoint_resumes_as_one_plain_worker(runs, tp_run, tmp_path):
     run_dir = tmp_path / "run"
-    shutil.copytree(runs / "tp", run_dir)
+    shutil.copytree(tp_run, run_dir)
     stop_at(run_dir, 4)
     train(run_dir, "--strategy", "ddp", "--workers", "1", "--resume")  # other layout, other strategy
     assert max_abs_diff(final_weights(run_dir), final_weights(runs / "one")) <= EXACT
