@@ -142,8 +142,11 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                       "the same with any number")
     data.add_argument("--data-prefetch", type=int, metavar="B", help="batches each data worker prepares ahead "
                       "(default 2)")
-    data.add_argument("--data-cache", action="store_true", default=None, help="keep the task's transformed "
-                      "samples in shared memory as the first epoch makes them; later epochs skip the transform")
+    data.add_argument("--data-cache", nargs="?", const="memory", choices=["none", "memory", "disk"],
+                      help="keep samples as the epochs make them (transformed; for Parquet data also decoded), so "
+                      "that later epochs skip that work: memory (shared memory; the default when the flag is given "
+                      "alone) or disk (files in RUN_DIR/data-cache, for data larger than memory, found again by a "
+                      "resumed run)")
     p.add_argument("--log-every", type=int, metavar="K", help="metrics line every K steps (default 10)")
     p.add_argument("--log", action="append", metavar="SINK", choices=["tensorboard"],
                    help="also write the metrics to SINK: tensorboard (event files in RUN_DIR/tensorboard; needs "

@@ -56,7 +56,7 @@ class TrainConfig(BaseModel):
     weight_decay: float = Field(0.0, ge=0)
     lr_schedule: Literal["constant", "cosine"] = "cosine"
     warmup_steps: int = Field(0, ge=0)
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**32, description="seeds the weights, the data order and every random draw")
     dtype: Literal["float32", "float64"] = "float32"
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -69,7 +69,8 @@ class TrainConfig(BaseModel):
     faults: list[str] = Field(default_factory=list)
     data_workers: int | Literal["auto"] = Field(0, description="input pipeline worker processes (auto: measured)")
     data_prefetch: int = Field(2, ge=1, description="batches each data worker prepares ahead")
-    data_cache: bool = Field(False, description="keep transformed samples in shared memory after the first epoch")
+    data_cache: Literal["none", "memory", "disk"] = Field(
+        "none", description="keep samples as the epochs make them: in shared memory, or on disk in the run directory")
     log_every: int = Field(10, ge=1)
     log: list[Literal["tensorboard"]] = Field(default_factory=list,
                                               description="also write metrics as TensorBoard event files")
@@ -92,6 +93,13 @@ class TrainConfig(BaseModel):
     def step_batch(self) -> int:
         """Samples per data-parallel replica per optimizer step: ``batch_size x grad_accum``."""
         return self.batch_size * self.grad_accum
+
+    @field_validator("data_cache", mode="before")
+    @classmethod
+    def _cache_from_flag(cls, value: Any) -> Any:
+        if isinstance(value, bool):  # run directories of earlier versions saved a flag
+            return "memory" if value else "none"
+        return value
 
     @field_validator("data_workers")
     @classmethod

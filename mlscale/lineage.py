@@ -6,13 +6,18 @@ import hashlib
 import subprocess
 from pathlib import Path
 
-from mlscale.tasks.base import TensorData
+from mlscale.data.parquet import ParquetData
+from mlscale.data.tensors import TensorData
 
 
-def data_fingerprint(*datasets: TensorData) -> str:
-    """SHA-256 over the exact bytes (and shapes and dtypes) of the data sets, in order."""
+def data_fingerprint(*datasets: TensorData | ParquetData) -> str:
+    """SHA-256 over the exact bytes (and shapes and dtypes) of the data sets, in order; of Parquet data,
+    over the bytes of its files and which of their row groups and columns it reads."""
     digest = hashlib.sha256()
     for data in datasets:
+        if isinstance(data, ParquetData):
+            data.fingerprint(digest)
+            continue
         for tensor in (data.inputs, data.targets):
             digest.update(f"{tuple(tensor.shape)}:{tensor.dtype}".encode())
             digest.update(tensor.contiguous().cpu().numpy().tobytes())

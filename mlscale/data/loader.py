@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from mlscale.data.sampler import shard_indices
-from mlscale.tasks.base import TensorData
+from mlscale.data.tensors import TensorData
 
 
 @dataclass

@@ -8,52 +8,130 @@ so the position of the batch just returned is always known: a resume mid-epoch r
 rest of the epoch, with or without workers, also at another world size.
 
 The transform (``Task.transform``) runs per sample in the workers: the parallel map. The cache holds
-transformed samples in shared memory, filled as the first epoch reads them, so later epochs skip the
-transform (for deterministic transforms only: the task says so by declaring one).
+transformed samples by data-set row, filled as the epochs read them, so a sample is transformed once
+(for deterministic transforms only: the task says so by declaring one): in shared memory, or in files
+on disk that outlive the process, so that a restarted run finds the samples it had made.
 """
 
 from __future__ import annotations
 
 import collections
+import json
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Literal, Protocol
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 from mlscale.data.loader import Position, steps_per_epoch
 from mlscale.data.sampler import shard_indices
-from mlscale.tasks.base import TensorData
+from mlscale.data.tensors import TensorData
+from mlscale.io import atomic_write_json
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
+CacheKind = Literal["none", "memory", "disk"]
+
+
+class SampleCache:
+    """Samples by data-set row, with a flag per row set after its data is written, so that a reader
+    never takes half a sample. ``directory`` None: shared memory (the DataLoader workers write, the
+    training process reads); else memory-mapped files there, which a restarted run opens again (the
+    same run directory holds the same task and transform; a different shape, or ``source``, which
+    names the files read, starts the cache over)."""
+
+    def __init__(self, rows: int, sample: tuple[torch.Tensor, torch.Tensor], directory: Path | None = None,
+                 source: str = "") -> None:
+        inputs, target = sample
+        self.directory = directory
+        layout = {"rows": rows, "inputs": [list(inputs.shape), str(inputs.dtype)],
+                  "targets": [list(target.shape), str(target.dtype)], "source": source}
+        if directory is not None:
+            if directory.exists() and _read_layout(directory) != layout:
+                shutil.rmtree(directory)  # another layout: what is there cannot be read as these samples
+            directory.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(directory / "layout.json", layout)
+        self.inputs = self._tensor("inputs", (rows, *inputs.shape), inputs.dtype)
+        self.targets = self._tensor("targets", (rows, *target.shape), target.dtype)
+        self.filled = self._tensor("filled", (rows,), torch.uint8)
+
+    def _tensor(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if self.directory is None:
+            return torch.zeros(shape, dtype=dtype).share_memory_()
+        size = 1
+        for extent in shape:
+            size *= extent
+        return torch.from_file(str(self.directory / f"{name}.bin"), shared=True, size=size, dtype=dtype).view(shape)
+
+    def hits(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.filled[rows].bool()
+
+    def read(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inputs[rows], self.targets[rows]
+
+    def write(self, rows: torch.Tensor, inputs: torch.Tensor, targets: torch.Tensor) -> None:
+        self.inputs[rows] = inputs
+        self.targets[rows] = targets
+        self.filled[rows] = 1  # last: the data is whole before anyone takes it
+
+    @property
+    def size_mb(self) -> float:
+        return sum(t.numel() * t.element_size() for t in (self.inputs, self.targets, self.filled)) / 2**20
+
+
+def _read_layout(directory: Path) -> Any:
+    try:
+        return json.loads((directory / "layout.json").read_text())
+    except (OSError, ValueError):  # missing or unreadable: nothing there can be trusted
+        return None
+
+
+def make_cache(kind: CacheKind, rows: int, sample: tuple[torch.Tensor, torch.Tensor],
+               directory: Path | None, source: str = "") -> SampleCache | None:
+    if kind == "none":
+        return None
+    if kind == "disk" and directory is None:
+        raise ValueError("a disk cache needs a directory")
+    return SampleCache(rows, sample, directory if kind == "disk" else None, source)
 
 
 class _Samples(Dataset[tuple[torch.Tensor, torch.Tensor]]):
-    """Sample i, transformed (in a worker), from the shared cache when it is filled."""
+    """Sample i, transformed (in a worker), from the cache when it holds it."""
 
-    def __init__(self, data: TensorData, transform: Transform | None, cache: bool) -> None:
+    def __init__(self, data: TensorData, transform: Transform | None, cache: CacheKind,
+                 cache_dir: Path | None, cache_key: str) -> None:
         self.data, self.transform = data, transform
-        self.cache: torch.Tensor | None = None
-        self.filled: torch.Tensor | None = None
-        if cache and transform is not None:
-            shape = transform(data.inputs[0]).shape  # the transformed shape, from the first sample
-            self.cache = torch.empty((len(data), *shape), dtype=data.inputs.dtype).share_memory_()
-            self.filled = torch.zeros(len(data), dtype=torch.bool).share_memory_()
+        self.cache = None
+        if transform is not None:  # untransformed in-memory samples are their own cache
+            first = (transform(data.inputs[0]), data.targets[0])  # the transformed shape
+            self.cache = make_cache(cache, len(data), first, cache_dir, cache_key)
 
     def __len__(self) -> int:
         return len(self.data)
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.cache is not None and self.filled[index]:
-            return self.cache[index], self.data.targets[index]
-        sample = self.data.inputs[index]
+        row = torch.tensor([index])
+        if self.cache is not None and self.cache.hits(row)[0]:
+            inputs, targets = self.cache.read(row)
+            return inputs[0], targets[0]
+        sample, target = self.data.inputs[index], self.data.targets[index]
         if self.transform is not None:
             sample = self.transform(sample)
             if self.cache is not None:
-                self.cache[index] = sample
-                self.filled[index] = True
-        return sample, self.data.targets[index]
+                self.cache.write(row, sample.unsqueeze(0), target.unsqueeze(0))
+        return sample, target
+
+
+class BatchPlan(Protocol):
+    """What a ``StreamLoader`` asks of its batch sampler: batches in order, forever, each one's end
+    position queued as it is handed out."""
+
+    positions: collections.deque[Position]
+
+    def __iter__(self) -> Iterator[Any]: ...
 
 
 class _Batches:
@@ -76,27 +154,21 @@ class _Batches:
             position = Position(position.epoch + 1, 0)
 
 
-class PipelineLoader:
-    """Yields ``(inputs, targets)`` batches like ``ShardLoader``, from ``workers`` DataLoader processes
-    (0: in this process) that prefetch ``prefetch`` batches each; ``position`` is the one after the
-    batch last returned."""
+class StreamLoader:
+    """Yields ``(inputs, targets)`` batches of a data set in a batch plan's order from ``workers``
+    DataLoader processes (0: in this process) that prefetch ``prefetch`` batches each; ``position`` is
+    the one after the batch last returned."""
 
-    def __init__(self, data: TensorData, *, rank: int, world: int, batch_size: int, seed: int,
-                 position: Position | None = None, workers: int = 0, prefetch: int = 2,
-                 transform: Transform | None = None, cache: bool = False, pin_memory: bool = False) -> None:
-        if steps_per_epoch(len(data), world, batch_size) == 0:
-            raise ValueError(
-                f"batch size {batch_size} x {world} workers is larger than the data set ({len(data)} samples)")
-        self.position = position or Position()
-        self.workers = workers
-        self._batches = _Batches(len(data), rank, world, batch_size, seed, self.position)
-        self.samples = _Samples(data, transform, cache)
-        self._loader = DataLoader(self.samples, batch_sampler=self._batches, num_workers=workers,
+    def __init__(self, dataset: Dataset[Any], batches: BatchPlan, position: Position, *, workers: int,
+                 prefetch: int, pin_memory: bool, collate_fn: Callable[[Any], Any] | None = None) -> None:
+        self.position, self.workers, self._batches = position, workers, batches
+        self.samples = dataset
+        self._loader = DataLoader(dataset, batch_sampler=batches, num_workers=workers,  # type: ignore[arg-type]
                                   prefetch_factor=prefetch if workers else None, persistent_workers=workers > 0,
-                                  pin_memory=pin_memory)
+                                  pin_memory=pin_memory, collate_fn=collate_fn)
         self._iterator = iter(self._loader)
 
-    def __iter__(self) -> PipelineLoader:
+    def __iter__(self) -> StreamLoader:
         return self
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,7 +180,25 @@ class PipelineLoader:
         del self._iterator  # stops the worker processes
 
 
-def autotune_workers(make: Callable[[int], PipelineLoader], batches: int = 8) -> tuple[int, dict[int, float]]:
+class PipelineLoader(StreamLoader):
+    """``ShardLoader``'s batches of an in-memory data set through the input pipeline; ``cache_key``
+    names what makes the samples (the task, its options, the dtype), so that a disk cache made for
+    anything else is not reused."""
+
+    def __init__(self, data: TensorData, *, rank: int, world: int, batch_size: int, seed: int,
+                 position: Position | None = None, workers: int = 0, prefetch: int = 2,
+                 transform: Transform | None = None, cache: CacheKind = "none", cache_dir: Path | None = None,
+                 cache_key: str = "", pin_memory: bool = False) -> None:
+        if steps_per_epoch(len(data), world, batch_size) == 0:
+            raise ValueError(
+                f"batch size {batch_size} x {world} workers is larger than the data set ({len(data)} samples)")
+        position = position or Position()
+        super().__init__(_Samples(data, transform, cache, cache_dir, cache_key),
+                         _Batches(len(data), rank, world, batch_size, seed, position), position,
+                         workers=workers, prefetch=prefetch, pin_memory=pin_memory)
+
+
+def autotune_workers(make: Callable[[int], StreamLoader], batches: int = 8) -> tuple[int, dict[int, float]]:
     """``--data-workers auto``: the number of workers (0, 1, 2, 4, ... up to the CPUs) whose loader
     delivers ``batches`` batches fastest, measured after each one's first batch (the start-up)."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -131,4 +221,4 @@ def describe_choice(best: int, timings: dict[int, float]) -> str:
     return f"mlscale: --data-workers auto picked {best} (ms per batch by workers: {measured})"
 
 
-__all__ = ["PipelineLoader", "autotune_workers", "describe_choice"]
+__all__ = ["PipelineLoader", "SampleCache", "StreamLoader", "autotune_workers", "describe_choice", "make_cache"]

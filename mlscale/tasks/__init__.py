@@ -11,6 +11,7 @@ from mlscale.tasks.base import Task, TensorData
 from mlscale.tasks.declared import declare_task, declared_factory
 from mlscale.tasks.digits import make_digits, make_digits_cnn
 from mlscale.tasks.synthetic import make_synthetic
+from mlscale.tasks.tabular import make_parquet
 from mlscale.tasks.tinylm import make_tinylm
 
 __all__ = ["BUILTIN_TASKS", "Task", "TensorData", "declare_task", "make_task"]
@@ -20,6 +21,7 @@ BUILTIN_TASKS: dict[str, Callable[..., Task]] = {
     "digits-cnn": make_digits_cnn,
     "synthetic": make_synthetic,
     "tinylm": make_tinylm,
+    "parquet": make_parquet,
 }
 
 

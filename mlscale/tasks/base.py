@@ -8,32 +8,18 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from mlscale.data.tensors import TensorData
+
+if TYPE_CHECKING:
+    from mlscale.data.parquet import ParquetData
+
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 MetricsFn = Callable[[torch.Tensor, torch.Tensor], dict[str, float]]
-
-
-@dataclass
-class TensorData:
-    """An in-memory data set: row i of ``inputs`` goes with row i of ``targets``."""
-
-    inputs: torch.Tensor
-    targets: torch.Tensor
-
-    def __post_init__(self) -> None:
-        if len(self.inputs) != len(self.targets):
-            raise ValueError(f"inputs ({len(self.inputs)}) and targets ({len(self.targets)}) differ in length")
-
-    def __len__(self) -> int:
-        return len(self.inputs)
-
-    def to(self, dtype: torch.dtype) -> TensorData:
-        """Cast floating-point tensors to ``dtype``; integer labels stay as they are."""
-        cast = [t.to(dtype) if t.is_floating_point() else t for t in (self.inputs, self.targets)]
-        return TensorData(*cast)
 
 
 def classification_metrics(outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
@@ -48,11 +34,13 @@ def regression_metrics(outputs: torch.Tensor, targets: torch.Tensor) -> dict[str
 
 @dataclass
 class Task:
-    """A model and its data. ``build_model`` must create the same weights under the same torch seed."""
+    """A model and its data. ``build_model`` must create the same weights under the same torch seed.
+    The training split is in memory, or Parquet files streamed by row group (``ParquetData``); the
+    held-out split is in memory."""
 
     name: str
     build_model: Callable[[], nn.Module]
-    train: TensorData
+    train: TensorData | ParquetData
     eval: TensorData
     loss_fn: LossFn = nn.functional.cross_entropy
     metrics_fn: MetricsFn = classification_metrics

@@ -21,6 +21,8 @@ from pydantic import ValidationError
 
 from mlscale.config import TrainConfig, describe_error
 from mlscale.data import steps_per_epoch
+from mlscale.data.parquet import ParquetData, check_shardable
+from mlscale.data.tensors import TensorData
 from mlscale.errors import UsageError, WorkerFailed
 from mlscale.io import atomic_write
 from mlscale.rundir import RunDir
@@ -49,7 +51,7 @@ def fit(config: TrainConfig) -> dict[str, Any]:
     task = make_task(config.task, config.task_options)  # fail fast, with exit 2, on a bad task
     world = int(os.environ["WORLD_SIZE"]) if under_launcher() and "WORLD_SIZE" in os.environ \
         else strategy.world_size(config)
-    check_job(config, len(task.train), world, task.build_model)
+    check_job(config, task.train, world, task.build_model)
     if config.run_dir is None:
         config = config.model_copy(update={"run_dir": default_run_dir(config.task)})
     run_dir = RunDir(config.run_dir)
@@ -96,7 +98,7 @@ def _unchanged_unless_it_trains(run_dir: RunDir) -> Iterator[None]:
         raise
 
 
-def check_job(config: TrainConfig, train_size: int, world: int,
+def check_job(config: TrainConfig, data: TensorData | ParquetData, world: int,
               build_model: Callable[[], Any] | None = None) -> None:
     """Everything about the job that can be checked before a worker starts: a mistake is one line and
     exit 2 here, not a worker's traceback later."""
@@ -123,9 +125,11 @@ def check_job(config: TrainConfig, train_size: int, world: int,
         if model is not None:
             strategy.check_model(config, model, world)
     workers = strategy.replicas(config, world)
-    if steps_per_epoch(train_size, workers, config.step_batch) == 0:
+    if isinstance(data, ParquetData):
+        check_shardable(data, workers, config.step_batch, config.seed)
+    elif steps_per_epoch(len(data), workers, config.step_batch) == 0:
         raise UsageError(f"bad value batch-size={config.batch_size}: {config.batch_size} per worker x {workers} "
-                         f"worker(s) is more than the {train_size:,} training samples of task {config.task!r}")
+                         f"worker(s) is more than the {len(data):,} training samples of task {config.task!r}")
     for spec in config.faults:
         fault = parse_fault(spec)
         if fault.kind != "kill_during_checkpoint" and fault.rank >= world:

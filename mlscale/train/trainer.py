@@ -7,6 +7,7 @@ communication the backward pass did not hide); the strategy measures communicati
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
@@ -22,8 +23,9 @@ import torch
 import torch.distributed as dist
 
 from mlscale.config import TrainConfig
-from mlscale.data import Position, ShardLoader, steps_per_epoch
-from mlscale.data.pipeline import PipelineLoader, autotune_workers, describe_choice
+from mlscale.data import Position, ShardLoader
+from mlscale.data.parquet import ParquetData, ParquetLoader, check_resumable, epoch_steps_for
+from mlscale.data.pipeline import PipelineLoader, StreamLoader, autotune_workers, describe_choice
 from mlscale.errors import MlscaleError
 from mlscale.lineage import code_version, data_fingerprint
 from mlscale.rundir import RunDir
@@ -42,11 +44,11 @@ from mlscale.train.timing import median, now
 JOB_START_ENV = "MLSCALE_JOB_START"
 
 
-def total_steps(config: TrainConfig, train_size: int, world: int) -> int:
+def total_steps(config: TrainConfig, data: TensorData | ParquetData, world: int) -> int:
     if config.steps is not None:
         return config.steps
     epochs = config.epochs if config.epochs is not None else 10.0
-    return max(1, math.ceil(epochs * steps_per_epoch(train_size, world, config.step_batch)))
+    return max(1, math.ceil(epochs * epoch_steps_for(data, world, config.step_batch, config.seed)))
 
 
 def build_optimizer(config: TrainConfig, params: Any) -> torch.optim.Optimizer:
@@ -134,7 +136,7 @@ class Trainer:
         self.strategy = strategy_type(env, config)
         self.faults = FaultInjector(config.faults, env.rank, first_attempt=env.attempt == 0 and not config.resume,
                                     log_path=run_dir.logs / "faults.jsonl", data_ranks=data_ranks, seed=config.seed)
-        self.total_steps = total_steps(config, len(self.train_data), self.shards)
+        self.total_steps = total_steps(config, self.train_data, self.shards)
         self.global_batch = config.step_batch * self.shards
         self.checkpointer = self._make_checkpointer(strategy_type.checkpoint_ranks(config, env.world_size))
         self.checkpoint_stalls_ms: list[float] = []
@@ -172,23 +174,30 @@ class Trainer:
                                             attempt=env.attempt, resumed_from=self.step)
         self.loader = None if self.shard is None else self._make_loader()
 
-    def _make_loader(self) -> ShardLoader | PipelineLoader:
+    def _make_loader(self) -> ShardLoader | StreamLoader:
         """In-memory batches (``ShardLoader``), or the input pipeline when the task transforms samples or
         ``--data-workers`` asks for worker processes; the same batches and positions either way."""
         config, shard = self.config, self.shard
         assert shard is not None
         plain = dict(rank=shard, world=self.shards, batch_size=config.step_batch, seed=config.seed)
-        if config.data_workers == 0 and self.task.transform is None:
+        streamed = isinstance(self.train_data, ParquetData)
+        if config.data_workers == 0 and self.task.transform is None and not streamed:
             return ShardLoader(self.train_data, position=self.positions[shard], **plain)
+        loader_type = ParquetLoader if streamed else PipelineLoader
+        # One cache per process (ranks that read the same shard, under tp or pipeline, keep their own),
+        # valid for this task, its options and dtype only.
+        cache_dir = self.run_dir.path / "data-cache" / f"rank{self.env.rank}"
+        cache_key = json.dumps([config.task, config.task_options, config.dtype], sort_keys=True, default=str)
 
-        def make(workers: int) -> PipelineLoader:
-            return PipelineLoader(self.train_data, position=self.positions[shard], workers=workers,
-                                  prefetch=config.data_prefetch, transform=self.task.transform,
-                                  cache=config.data_cache, pin_memory=self.env.device.type == "cuda", **plain)
+        def make(workers: int, cache: str = config.data_cache) -> StreamLoader:
+            return loader_type(self.train_data, position=self.positions[shard], workers=workers,
+                               prefetch=config.data_prefetch, transform=self.task.transform, cache=cache,
+                               cache_dir=cache_dir, cache_key=cache_key, pin_memory=self.env.device.type == "cuda",
+                               **plain)
 
         workers = config.data_workers
-        if workers == "auto":
-            workers, timings = autotune_workers(make)
+        if workers == "auto":  # timed without the cache: a candidate must not read what another made
+            workers, timings = autotune_workers(lambda n: make(n, cache="none"))
             if self.env.is_main:
                 print(describe_choice(workers, timings), file=sys.stderr, flush=True)
         self.data_workers = int(workers)
@@ -268,6 +277,7 @@ class Trainer:
         self.samples_seen = saved["samples_seen"]
         self.resumed_from, self.resumed_world_size = self.step, saved["world_size"]
         positions = saved["positions"]
+        check_resumable(self.train_data, Position(**saved["position"]), saved["workers"], self.shards)
         if len(positions) == self.shards:
             self.positions = {shard: Position(**where) for shard, where in enumerate(positions)}
         else:  # the same position on every shard, as data parallelism leaves it
@@ -437,7 +447,7 @@ class Trainer:
             self.checkpointer.finish_in_flight(min(30.0, config.collective_timeout_s))
             raise
         finally:
-            if isinstance(self.loader, PipelineLoader):
+            if isinstance(self.loader, StreamLoader):
                 self.loader.close()  # its worker processes
             if progress is not None:
                 progress.close()
@@ -452,6 +462,18 @@ class Trainer:
         return report
 
     # -- the end ------------------------------------------------------------------------------
+    def _data_report(self) -> dict[str, Any]:
+        report: dict[str, Any] = {"workers": self.data_workers, "prefetch": self.config.data_prefetch,
+                                  "cache": self.config.data_cache, "transform": self.task.transform is not None,
+                                  "source": "memory"}
+        if isinstance(self.train_data, ParquetData):
+            report.update(source="parquet", files=len(self.train_data.files),
+                          row_groups=len(self.train_data.groups), rows=len(self.train_data))
+        cache = getattr(getattr(self.loader, "samples", None), "cache", None)
+        if cache is not None:
+            report["cache_mb"] = round(cache.size_mb, 3)
+        return report
+
     def _eval_data(self) -> TensorData:
         """The held-out split as the model sees it: transformed as the training samples are (once)."""
         if self.eval_data is None:
@@ -515,8 +537,7 @@ class Trainer:
                 "write_ms_p50": median(self.checkpointer.write_ms),
             },
             "per_rank": per_rank,
-            "data": {"workers": self.data_workers, "prefetch": self.config.data_prefetch,
-                     "cache": self.config.data_cache, "transform": self.task.transform is not None},
+            "data": self._data_report(),
             "memory": memory,
             "stragglers": sorted(self.stragglers.first_flagged),
             "straggler_detection": self.stragglers.summary(),
