@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU build of torch: a plain `torch` would pull a multi-GB CUDA build. GPU users install their own.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test lint bench-train clean
+.PHONY: demo test lint bench-train proto clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,11 @@ lint: $(BIN)/.installed
 
 bench-train: $(BIN)/.installed
 	$(BIN)/mlscale bench train --out bench/results/train
+
+# The Open Inference Protocol's gRPC messages, generated from mlscale/serve/proto/inference.proto
+# (committed; tests/serve/test_grpc.py checks that the module matches a fresh generation).
+proto: $(BIN)/.installed
+	$(BIN)/python -m grpc_tools.protoc -I . --python_out=. mlscale/serve/proto/inference.proto
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -23,12 +24,19 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from mlscale import __version__
+from mlscale.serve import describe
 from mlscale.serve.batcher import DeadlineExceeded, Overloaded, Replaced
 from mlscale.serve.cache import ResponseCache, cache_key, raw_key
 from mlscale.serve.metrics import ServerMetrics
 from mlscale.serve.models import ModelSlot, ServedModel
-from mlscale.serve.protocol import BadRequest, parse_predict, parse_v2, tensor_metadata, v2_response
+from mlscale.serve.protocol import (
+    BadRequest,
+    V2Request,
+    parse_predict,
+    parse_v2,
+    split_body,
+    v2_response,
+)
 
 log = logging.getLogger("mlscale.serve")
 
@@ -173,6 +181,8 @@ async def _predict_once(state: ServerState, served: ServedModel, array: np.ndarr
 
 _PREDICT = ("", None)  # the /predict route: the first model the server was started with
 _JSON = (b"content-type", b"application/json")
+_OCTETS = (b"content-type", b"application/octet-stream")
+HEADER_LENGTH = b"inference-header-content-length"
 
 
 def inference_route(path: str) -> tuple[str, str | None] | None:
@@ -206,14 +216,14 @@ class InferenceFrontend:
             await _send(send, 405, orjson.dumps({"error": "Method Not Allowed"}), {"Allow": "POST"})
             return
         try:
-            payload = await self._infer(scope, receive, *route)
+            answer = await self._infer(scope, receive, *route)
             status, headers = 200, None
         except HTTPError as exc:
-            payload, status, headers = orjson.dumps({"error": str(exc)}), exc.status, exc.headers
+            answer, status, headers = Answer(orjson.dumps({"error": str(exc)})), exc.status, exc.headers
         except Exception as exc:  # a bug, not the client's fault: log it under an id, keep serving
             error = internal_error(exc, "inference request failed")
-            payload, status, headers = orjson.dumps({"error": str(error)}), 500, error.headers
-        await _send(send, status, payload, headers)
+            answer, status, headers = Answer(orjson.dumps({"error": str(error)})), 500, error.headers
+        await _send(send, status, answer.payload, headers, answer.json_length)
 
     def _model(self, name: str, version: str | None) -> ServedModel:
         if (name, version) != _PREDICT:
@@ -223,7 +233,7 @@ class InferenceFrontend:
             raise HTTPError(503, "no model loaded yet")
         return slots[0].current
 
-    async def _infer(self, scope: dict[str, Any], receive: Any, name: str, version: str | None) -> bytes:
+    async def _infer(self, scope: dict[str, Any], receive: Any, name: str, version: str | None) -> Answer:
         state, served = self.state, self._model(name, version)
         predict = (name, version) == _PREDICT
         start = time.perf_counter() - state.loop_lag_s  # the loop's lag: how long the request waited unseen
@@ -251,37 +261,65 @@ class InferenceFrontend:
             served.stats.admission_limit.set(guard.limit)
 
     async def _answer(self, scope: dict[str, Any], receive: Any, served: ServedModel, predict: bool,
-                      start: float) -> bytes:
+                      start: float) -> Answer:
         state = self.state
         body = await _read_body(scope, receive, state.max_body_bytes)
-        key = raw_key(served.content_id, scope["path"], body) if state.cache.enabled else None
+        header_length = _header(scope, HEADER_LENGTH)
+        # The memo holds JSON answers to plain JSON bodies; binary framing goes the canonical way.
+        key = raw_key(served.content_id, scope["path"], body) if state.cache.enabled and header_length is None \
+            else None
         cached = state.cache.get(key) if key is not None else None
         if isinstance(cached, bytes):  # this exact body was answered before: no decoding, no encoding
             served.stats.cache["hit"].inc()
             served.stats.success.inc()
             served.stats.duration.observe(time.perf_counter() - start)
-            return cached
+            return Answer(cached)
         try:
             if predict:
-                array, params, request_id = parse_predict(_decode(body), served.input), {}, None
+                request = V2Request(parse_predict(_decode(body), served.input))
             else:
-                array, params, request_id = parse_v2(_decode(body), served.input, served.output)
+                header, binary = split_body(body, header_length)
+                request = parse_v2(_decode(header), served.input, served.output, binary)
         except BadRequest as exc:
             served.stats.failure("bad_request")
             raise HTTPError(400, str(exc)) from None
-        output, answered_by = await _predict(state, served, array, params, start)
+        output, answered_by = await _predict(state, served, request.array, request.parameters, start)
+        raw = b""
         if predict:
             answer = {"model_name": answered_by.name, "model_version": str(answered_by.number), "outputs": output}
         else:
-            answer = v2_response(answered_by.name, answered_by.number, answered_by.output, output, request_id)
+            answer, raw = v2_response(answered_by.name, answered_by.number, answered_by.output, output,
+                                      request.request_id, binary=request.binary_output)
         payload = orjson.dumps(answer, option=orjson.OPT_SERIALIZE_NUMPY)
+        if request.binary_output:
+            return Answer(payload + raw, json_length=len(payload))
         if key is not None and answered_by is served:  # the memo is keyed by the version that answered
             state.cache.put(key, payload)
-        return payload
+        return Answer(payload)
 
 
-async def _send(send: Any, status: int, payload: bytes, headers: dict[str, str] | None) -> None:
-    raw = [_JSON, (b"content-length", str(len(payload)).encode())]
+@dataclass
+class Answer:
+    """A response body; ``json_length``: binary tensor data follows that many bytes of JSON."""
+
+    payload: bytes
+    json_length: int | None = None
+
+
+def _header(scope: dict[str, Any], name: bytes) -> bytes | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value
+    return None
+
+
+async def _send(send: Any, status: int, payload: bytes, headers: dict[str, str] | None,
+                json_length: int | None = None) -> None:
+    if json_length is None:
+        raw = [_JSON, (b"content-length", str(len(payload)).encode())]
+    else:
+        raw = [_OCTETS, (b"content-length", str(len(payload)).encode()),
+               (HEADER_LENGTH, str(json_length).encode())]
     if headers:
         raw += [(k.lower().encode(), v.encode()) for k, v in headers.items()]
     await send({"type": "http.response.start", "status": status, "headers": raw})
@@ -299,17 +337,27 @@ def build_app(state: ServerState) -> InferenceFrontend:
         return JSONResponse({"ready": state.ready}, status_code=200 if state.ready else 503)
 
     async def server_metadata(_: Request) -> Response:
-        return JSONResponse({"name": "mlscale", "version": __version__, "extensions": []})
+        return JSONResponse(describe.server_metadata())
 
     def _served(request: Request) -> ServedModel:
         return state.lookup(request.path_params["name"], request.path_params.get("version"))
 
     async def model_metadata(request: Request) -> Response:
-        served = _served(request)
-        versions = sorted(str(s.current.number) for s in state.slots if s.current and s.current.name == served.name)
-        platform = "onnxruntime_onnx" if served.runtime.kind == "onnx" else "pytorch_torch"
-        return JSONResponse({"name": served.name, "versions": versions, "platform": platform,
-                             "inputs": [tensor_metadata(served.input)], "outputs": [tensor_metadata(served.output)]})
+        return JSONResponse(describe.model_metadata(state, _served(request)))
+
+    async def model_config(request: Request) -> Response:
+        return JSONResponse(describe.model_config(_served(request)))
+
+    async def model_statistics(request: Request) -> Response:
+        return JSONResponse(describe.statistics(state, request.path_params.get("name"),
+                                                request.path_params.get("version")))
+
+    async def repository_index(request: Request) -> Response:
+        body = await request.body()
+        options = _decode(body) if body else {}
+        if not isinstance(options, dict) or not isinstance(options.get("ready", False), bool):
+            raise HTTPError(400, 'the body must be {} or {"ready": true|false}')
+        return JSONResponse(describe.repository_index(state, options.get("ready", False)))
 
     async def model_ready(request: Request) -> Response:
         served = _served(request)
@@ -353,8 +401,11 @@ def build_app(state: ServerState) -> InferenceFrontend:
     version = "/v2/models/{name}/versions/{version}"
     routes = [  # the inference routes are InferenceFrontend's
         Route("/v2/health/live", live), Route("/v2/health/ready", ready), Route("/v2", server_metadata),
-        Route(model, model_metadata), Route(version, model_metadata),
+        Route("/v2/models/stats", model_statistics), Route(model, model_metadata), Route(version, model_metadata),
         Route(f"{model}/ready", model_ready), Route(f"{version}/ready", model_ready), Route("/metrics", metrics),
+        Route(f"{model}/config", model_config), Route(f"{version}/config", model_config),
+        Route(f"{model}/stats", model_statistics), Route(f"{version}/stats", model_statistics),
+        Route("/v2/repository/index", repository_index, methods=["POST"]),
     ]
     from starlette.exceptions import HTTPException
 

@@ -301,6 +301,7 @@ class DynamicBatcher:
         self.cost_model.observe(len(array), elapsed)
         self.executions += 1
         self.stats.executions.inc()
+        self.stats.last_inference_ms = int(time.time() * 1e3)
         self.stats.compute.observe(elapsed)
         self.stats.batch_size.observe(len(array))
         self.stats.inferences.inc(len(array))

@@ -53,6 +53,10 @@ class Histogram:
         self.counts[bisect_left(self.bounds, value)] += 1  # first bucket whose upper bound is >= value
         self.sum += value
 
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
     def buckets(self) -> list[tuple[str, float]]:
         cumulative, out = 0, []
         for bound, count in zip((*map(floatToGoString, self.bounds), "+Inf"), self.counts):
@@ -99,6 +103,7 @@ class ModelStats:
         self.queue_depth, self.batch_target, self.admission_limit, self.loaded, self.executing = (
             Gauge() for _ in range(5))
         self.failures: dict[str, Counter] = {}
+        self.last_inference_ms = 0  # wall clock of the last model execution (the statistics extension's)
 
     def failure(self, reason: str) -> None:
         counter = self.failures.get(reason)

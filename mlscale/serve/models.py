@@ -27,7 +27,7 @@ class ServedModel:
 
     def __init__(self, version: ModelVersion, runtime: Runtime, options: ServeOptions,
                  metrics: ServerMetrics) -> None:
-        self.version, self.runtime = version, runtime
+        self.version, self.runtime, self.options = version, runtime, options
         self.name, self.number = version.name, version.version
         signature = version.signature
         self.input = TensorSpec(signature["inputs"][0]["name"], signature["inputs"][0]["datatype"],

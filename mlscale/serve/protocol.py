@@ -2,16 +2,24 @@
 
 Every problem with a request is a ``BadRequest`` with a message a client can act on; the server turns it
 into ``400 {"error": ...}`` and goes on serving.
+
+The binary tensor data extension (what ``tritonclient`` sends by default): the request's
+``Inference-Header-Content-Length`` header says how many bytes of the body are the JSON header; the
+bytes after it are the tensors' raw data, little-endian, row-major, in the order of ``inputs``, each
+``parameters.binary_data_size`` long. An output asked for with ``parameters.binary_data`` (or every
+output, with the request's ``parameters.binary_data_output``) comes back the same way.
 """
 
 from __future__ import annotations
 
 import math
+import re
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from mlscale.serve.runtime import NUMPY_TO_V2, TensorSpec
+from mlscale.serve.runtime import NUMPY_TO_V2, V2_TO_NUMPY, TensorSpec
 
 MAX_ROWS = 4096
 
@@ -68,8 +76,77 @@ def check_shape(spec: TensorSpec, shape: Any) -> list[int]:
     return shape
 
 
-def parse_v2(body: Any, spec: TensorSpec, output: TensorSpec) -> tuple[np.ndarray, dict[str, Any], Any]:
-    """(input array, parameters, request id) from an Open Inference Protocol infer request."""
+@dataclass
+class V2Request:
+    array: np.ndarray
+    parameters: dict[str, Any] = field(default_factory=dict)  # what may change the answer (the cache's key)
+    request_id: str | None = None
+    binary_output: bool = False
+
+
+_LENGTH = re.compile(rb"[0-9]{1,18}")
+FRAMING_PARAMETERS = ("binary_data_output",)  # how the answer travels, not what it is
+
+
+def split_body(body: bytes, header_length: bytes | None) -> tuple[bytes, bytes]:
+    """(JSON header, binary data) of a body framed by ``Inference-Header-Content-Length``."""
+    if header_length is None:
+        return body, b""
+    if not _LENGTH.fullmatch(header_length.strip()):
+        raise BadRequest(f"Inference-Header-Content-Length must be a non-negative integer, got "
+                         f"{header_length.decode('latin-1')[:40]!r}")
+    length = int(header_length)
+    if length > len(body):
+        raise BadRequest(f"Inference-Header-Content-Length {length} is past the end of the {len(body)}-byte body")
+    return body[:length], body[length:]
+
+
+def array_from_bytes(raw: bytes, spec: TensorSpec, shape: list[int]) -> np.ndarray:
+    """A tensor from its raw little-endian bytes; refused unless there are exactly shape x dtype bytes
+    and, for floats, every value is finite (as for JSON data)."""
+    wire = wire_dtype(spec.datatype)
+    needed = math.prod(shape) * wire.itemsize
+    if len(raw) != needed:
+        raise BadRequest(f"input '{spec.name}' has {len(raw)} bytes of binary data but shape {shape} of "
+                         f"{spec.datatype} needs {needed}")
+    values = np.frombuffer(raw, dtype=wire).reshape(shape)
+    if spec.datatype == "BF16":  # the upper half of a float32: widen exactly
+        values = (values.astype(np.uint32) << 16).view(np.float32)
+    elif spec.datatype == "BOOL":
+        values = values != 0
+    array = values.astype(spec.dtype if spec.datatype != "BF16" else np.float32)
+    if array.dtype.kind == "f" and not np.isfinite(array).all():
+        raise BadRequest("binary data holds values that are not finite in " + spec.datatype)
+    return array
+
+
+def wire_dtype(datatype: str) -> np.dtype:
+    """The numpy dtype of a datatype's raw bytes (BF16: its bits, as little-endian uint16)."""
+    if datatype == "BF16":
+        return np.dtype("<u2")
+    if datatype == "BOOL":
+        return np.dtype("u1")
+    return V2_TO_NUMPY[datatype].newbyteorder("<")
+
+
+def array_to_bytes(array: np.ndarray, datatype: str) -> bytes:
+    """Raw little-endian bytes of a tensor in ``datatype`` (BF16: rounded to nearest even)."""
+    if datatype == "BF16":
+        bits = np.ascontiguousarray(array, dtype=np.float32).view(np.uint32)
+        rounded = (bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16  # round half to even on the dropped half
+        return rounded.astype("<u2").tobytes()
+    return np.ascontiguousarray(array, dtype=wire_dtype(datatype)).tobytes()
+
+
+def _flag(parameters: Any, name: str) -> bool | None:
+    value = parameters.get(name) if isinstance(parameters, dict) else None
+    if value is not None and not isinstance(value, bool):
+        raise BadRequest(f"parameter '{name}' must be true or false")
+    return value
+
+
+def parse_v2(body: Any, spec: TensorSpec, output: TensorSpec, binary: bytes = b"") -> V2Request:
+    """An Open Inference Protocol infer request; ``binary``: the bytes after the JSON header."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     inputs = body.get("inputs")
@@ -81,17 +158,37 @@ def parse_v2(body: Any, spec: TensorSpec, output: TensorSpec) -> tuple[np.ndarra
     if tensor.get("datatype") != spec.datatype:
         raise BadRequest(f"input '{spec.name}' must have datatype {spec.datatype}, got {tensor.get('datatype')!r}")
     shape = check_shape(spec, tensor.get("shape"))
-    requested = body.get("outputs")
-    if requested is not None and (not isinstance(requested, list) or any(
-            not isinstance(o, dict) or o.get("name") != output.name for o in requested)):
-        raise BadRequest(f"'outputs' may only name '{output.name}'")
     parameters = body.get("parameters") or {}
     if not isinstance(parameters, dict):
         raise BadRequest("'parameters' must be an object")
+    binary_output = bool(_flag(parameters, "binary_data_output"))
+    requested = body.get("outputs")
+    if requested is not None:
+        if not isinstance(requested, list) or any(
+                not isinstance(o, dict) or o.get("name") != output.name for o in requested):
+            raise BadRequest(f"'outputs' may only name '{output.name}'")
+        for wanted in requested:
+            choice = _flag(wanted.get("parameters") or {}, "binary_data")
+            binary_output = binary_output if choice is None else choice
     request_id = body.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise BadRequest("'id' must be a string")
-    return _as_array(tensor.get("data"), spec, shape), parameters, request_id
+    size = (tensor.get("parameters") or {}).get("binary_data_size") if isinstance(tensor.get("parameters"), dict) \
+        else None
+    if size is None:
+        if binary:
+            raise BadRequest(f"{len(binary)} bytes of binary data follow the JSON header, but no input has "
+                             "'binary_data_size'")
+        array = _as_array(tensor.get("data"), spec, shape)
+    else:
+        if type(size) is not int or size < 0:
+            raise BadRequest("'binary_data_size' must be a non-negative integer")
+        if size != len(binary):
+            raise BadRequest(f"input '{spec.name}' declares binary_data_size {size} but {len(binary)} bytes of "
+                             "binary data follow the JSON header")
+        array = array_from_bytes(binary, spec, shape)
+    kept = {k: v for k, v in parameters.items() if k not in FRAMING_PARAMETERS}
+    return V2Request(array, kept, request_id, binary_output)
 
 
 def parse_predict(body: Any, spec: TensorSpec) -> np.ndarray:
@@ -107,19 +204,18 @@ def parse_predict(body: Any, spec: TensorSpec) -> np.ndarray:
     return _as_array(rows, spec, check_shape(spec, [len(rows), *row_shape]))
 
 
-def v2_response(model: str, version: int, output: TensorSpec, array: np.ndarray, request_id: Any) -> dict[str, Any]:
-    response = {
-        "model_name": model,
-        "model_version": str(version),
-        "outputs": [{"name": output.name, "shape": list(array.shape),
-                     "datatype": NUMPY_TO_V2.get(array.dtype, output.datatype),
-                     "data": np.ascontiguousarray(array).reshape(-1)}],
-    }
+def v2_response(model: str, version: int, output: TensorSpec, array: np.ndarray, request_id: Any,
+                binary: bool = False) -> tuple[dict[str, Any], bytes]:
+    """The answer's JSON and, for a binary output, its raw bytes (to follow the JSON)."""
+    datatype = NUMPY_TO_V2.get(array.dtype, output.datatype)
+    tensor: dict[str, Any] = {"name": output.name, "shape": list(array.shape), "datatype": datatype}
+    raw = b""
+    if binary:
+        raw = array_to_bytes(array, datatype)
+        tensor["parameters"] = {"binary_data_size": len(raw)}
+    else:
+        tensor["data"] = np.ascontiguousarray(array).reshape(-1)
+    response: dict[str, Any] = {"model_name": model, "model_version": str(version), "outputs": [tensor]}
     if request_id is not None:
         response["id"] = request_id
-    return response
-
-
-def tensor_metadata(spec: TensorSpec) -> dict[str, Any]:
-    return {"name": spec.name, "datatype": spec.datatype, "shape": list(spec.shape)}
-
+    return response, raw

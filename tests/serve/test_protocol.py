@@ -121,7 +121,7 @@ FP32 = TensorSpec("input", "FP32", (-1, 4))
 
 def _v2(data, shape=(1, 4), spec=FP32):
     body = {"inputs": [{"name": spec.name, "shape": list(shape), "datatype": spec.datatype, "data": data}]}
-    return parse_v2(body, spec, TensorSpec("output", "FP32", (-1, 2)))[0]
+    return parse_v2(body, spec, TensorSpec("output", "FP32", (-1, 2))).array
 
 
 @pytest.mark.parametrize(("data", "text"), [
