@@ -8,8 +8,8 @@ import argparse
 from mlscale.cli_models import add_registry_option
 
 # flag -> type; the ServeOptions field of the same name (dashes for underscores) has the default and help
-_FLAGS = {"--host": str, "--port": int, "--max-batch-size": int, "--max-delay-ms": float, "--slo-ms": float,
-          "--cache-mb": float, "--queue-limit": int, "--timeout-ms": float, "--threads": int,
+_FLAGS = {"--host": str, "--port": int, "--grpc-port": int, "--max-batch-size": int, "--max-delay-ms": float,
+          "--slo-ms": float, "--cache-mb": float, "--queue-limit": int, "--timeout-ms": float, "--threads": int,
           "--max-body-mb": float, "--reload-interval-s": float, "--drain-delay-s": float,
           "--exec-timeout-s": float}
 
@@ -25,9 +25,11 @@ def _field_help(name: str) -> str:
 
 def add_serve(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "serve", help="serve registered models over HTTP (Open Inference Protocol v2)",
+        "serve", help="serve registered models over HTTP and gRPC (Open Inference Protocol v2)",
         description="Serves one or more registered models with dynamic batching, a response cache and "
-        "backpressure. A URI with an alias or stage (models:/digits@production) is followed: when it moves, "
+        "backpressure, over HTTP (JSON or binary tensors) and gRPC, to the protocol's own clients "
+        "(tritonclient, perf_analyzer, KServe's) at their defaults. A URI with an alias or stage "
+        "(models:/digits@production) is followed: when it moves, "
         "the new version is loaded in the background and swapped in without failing a request. On SIGTERM, "
         "readiness answers 503 at once, inference goes on for --drain-delay-s, then in-flight requests "
         "finish and the server exits 0; a second signal exits at once.",
@@ -42,6 +44,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("uris", nargs="+", metavar="MODEL_URI")
     for flag, kind in _FLAGS.items():
         p.add_argument(flag, type=kind, help=_field_help(flag[2:].replace("-", "_")))
+    p.add_argument("--no-grpc", action="store_true", help="serve HTTP only")
     p.add_argument("--runtime", choices=["auto", "onnx", "torch"],
                    help="auto (default): onnxruntime when the version has an ONNX export, else torch")
     add_registry_option(p)
@@ -53,5 +56,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     names = [flag[2:].replace("-", "_") for flag in _FLAGS] + ["runtime"]
     options = serve_options(**{name: getattr(args, name) for name in names})
+    if args.no_grpc:
+        options = options.model_copy(update={"grpc_port": None})
     serve(args.uris, options=options, registry_location=args.registry)
     return 0

@@ -12,10 +12,10 @@ import gc
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import orjson
@@ -39,6 +39,7 @@ from mlscale.serve.protocol import (
 )
 
 log = logging.getLogger("mlscale.serve")
+T = TypeVar("T")
 
 
 class HTTPError(Exception):
@@ -64,6 +65,8 @@ class ServerState:
         self.ready = False
         self.draining = False  # set by the first SIGTERM: never ready again
         self.tasks: list[asyncio.Task[None]] = []
+        self.grpc_address: str | None = None  # where the gRPC service listens, once the models are loaded
+        self.grpc_server: Any = None
         self.loop_lag_s = 0.0  # how late the event loop runs what is ready: the server's own backlog
 
     async def watch_loop_lag(self, period_s: float = 0.005) -> None:
@@ -140,7 +143,7 @@ def _decode(body: bytes) -> Any:
         raise HTTPError(400, f"malformed JSON: {exc}") from None
 
 
-async def _predict(state: ServerState, served: ServedModel, array: np.ndarray, params: dict[str, Any],
+async def run_inference(state: ServerState, served: ServedModel, array: np.ndarray, params: dict[str, Any],
                    start: float) -> tuple[np.ndarray, ServedModel]:
     """The output and the version that computed it (which the response must name). ``start``: when the
     request's handling began, less the event loop's lag then (its wait before any handler ran)."""
@@ -177,6 +180,36 @@ async def _predict_once(state: ServerState, served: ServedModel, array: np.ndarr
     stats.success.inc()
     stats.duration.observe(time.perf_counter() - start)
     return output
+
+
+async def admitted(state: ServerState, served: ServedModel, answer: Callable[[float], Awaitable[T]]) -> T:
+    """``answer(start)`` for one inference request of any protocol, if admission control lets it in:
+    refused (503) before its body is read when the queue is full or, with an SLO, when more requests
+    are in flight than keep p99 under it. ``start``: when handling began, less the event loop's lag
+    (how long the request waited unseen)."""
+    start = time.perf_counter() - state.loop_lag_s
+    try:  # refuse before reading the body: under overload a refusal must cost as little as possible
+        served.batcher.admit(1)
+    except Replaced:
+        pass  # swapped out meanwhile: run_inference hands the request to the successor
+    except Overloaded as exc:
+        served.stats.failure("overloaded")
+        raise HTTPError(503, f"overloaded: {exc}; retry later", {"Retry-After": "1"}) from None
+    guard = served.batcher.guard
+    if guard is None:
+        return await answer(start)
+    if not guard.enter():
+        served.stats.failure("overloaded")
+        raise HTTPError(503, f"overloaded: {guard.limit} requests in flight, the most that keep p99 under "
+                        f"the {guard.slo_s * 1e3:g} ms SLO; retry later", {"Retry-After": "1"})
+    latency = None
+    try:
+        result = await answer(start)
+        latency = time.perf_counter() - start
+        return result
+    finally:
+        guard.leave(latency)
+        served.stats.admission_limit.set(guard.limit)
 
 
 _PREDICT = ("", None)  # the /predict route: the first model the server was started with
@@ -234,31 +267,9 @@ class InferenceFrontend:
         return slots[0].current
 
     async def _infer(self, scope: dict[str, Any], receive: Any, name: str, version: str | None) -> Answer:
-        state, served = self.state, self._model(name, version)
+        served = self._model(name, version)
         predict = (name, version) == _PREDICT
-        start = time.perf_counter() - state.loop_lag_s  # the loop's lag: how long the request waited unseen
-        try:  # refuse before reading the body: under overload a refusal must cost as little as possible
-            served.batcher.admit(1)
-        except Replaced:
-            pass  # swapped out meanwhile: _predict hands the request to the successor
-        except Overloaded as exc:
-            served.stats.failure("overloaded")
-            raise HTTPError(503, f"overloaded: {exc}; retry later", {"Retry-After": "1"}) from None
-        guard = served.batcher.guard
-        if guard is None:
-            return await self._answer(scope, receive, served, predict, start)
-        if not guard.enter():
-            served.stats.failure("overloaded")
-            raise HTTPError(503, f"overloaded: {guard.limit} requests in flight, the most that keep p99 under "
-                            f"the {guard.slo_s * 1e3:g} ms SLO; retry later", {"Retry-After": "1"})
-        latency = None
-        try:
-            payload = await self._answer(scope, receive, served, predict, start)
-            latency = time.perf_counter() - start
-            return payload
-        finally:
-            guard.leave(latency)
-            served.stats.admission_limit.set(guard.limit)
+        return await admitted(self.state, served, lambda start: self._answer(scope, receive, served, predict, start))
 
     async def _answer(self, scope: dict[str, Any], receive: Any, served: ServedModel, predict: bool,
                       start: float) -> Answer:
@@ -283,7 +294,7 @@ class InferenceFrontend:
         except BadRequest as exc:
             served.stats.failure("bad_request")
             raise HTTPError(400, str(exc)) from None
-        output, answered_by = await _predict(state, served, request.array, request.parameters, start)
+        output, answered_by = await run_inference(state, served, request.array, request.parameters, start)
         raw = b""
         if predict:
             answer = {"model_name": answered_by.name, "model_version": str(answered_by.number), "outputs": output}
@@ -386,11 +397,17 @@ def build_app(state: ServerState) -> InferenceFrontend:
             await slot.load()
             if slot.follows:
                 state.tasks.append(asyncio.get_running_loop().create_task(slot.follow()))
+        if state.grpc_address is not None:
+            from mlscale.serve.grpc_api import start_grpc
+
+            state.grpc_server = await start_grpc(state, state.grpc_address, state.max_body_bytes)
         gc.collect()
         gc.freeze()  # what start-up loaded lives as long as the server: keep it out of every collection
         state.ready = not state.draining
         yield
         state.ready = False
+        if state.grpc_server is not None:  # after the drain, like HTTP: calls in flight finish
+            await state.grpc_server.stop(grace=30)
         for task in state.tasks:
             task.cancel()
         for slot in state.slots:

@@ -40,7 +40,7 @@ def _rounds_to_inf(kind: type[np.floating]) -> float:
 _ROUNDS_TO_INF = {np.dtype(t): _rounds_to_inf(t) for t in (np.float16, np.float32, np.float64)}
 
 
-def _as_array(data: Any, spec: TensorSpec, shape: list[int]) -> np.ndarray:
+def as_array(data: Any, spec: TensorSpec, shape: list[int]) -> np.ndarray:
     if not isinstance(data, list):
         raise BadRequest("'data' must be a list of numbers")
     try:
@@ -179,7 +179,7 @@ def parse_v2(body: Any, spec: TensorSpec, output: TensorSpec, binary: bytes = b"
         if binary:
             raise BadRequest(f"{len(binary)} bytes of binary data follow the JSON header, but no input has "
                              "'binary_data_size'")
-        array = _as_array(tensor.get("data"), spec, shape)
+        array = as_array(tensor.get("data"), spec, shape)
     else:
         if type(size) is not int or size < 0:
             raise BadRequest("'binary_data_size' must be a non-negative integer")
@@ -201,7 +201,7 @@ def parse_predict(body: Any, spec: TensorSpec) -> np.ndarray:
     if not isinstance(rows, list) or not rows:
         raise BadRequest("'inputs' must be a non-empty list of rows")
     row_shape = list(spec.shape[1:])
-    return _as_array(rows, spec, check_shape(spec, [len(rows), *row_shape]))
+    return as_array(rows, spec, check_shape(spec, [len(rows), *row_shape]))
 
 
 def v2_response(model: str, version: int, output: TensorSpec, array: np.ndarray, request_id: Any,

@@ -71,7 +71,7 @@ def build_state(uris: list[str], options: ServeOptions, registry: Registry) -> S
     return ServerState(slots, metrics, cache, options.max_body_bytes, exec_timeout_s=options.exec_timeout_s)
 
 
-def bind(host: str, port: int) -> socket.socket:
+def bind(host: str, port: int, flag: str = "--port") -> socket.socket:
     """The server's socket, bound (not yet listening: no connection is accepted before the models are
     loaded) before anything else, so a port that is taken is one clear line and nothing is loaded."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
@@ -83,7 +83,7 @@ def bind(host: str, port: int) -> socket.socket:
         sock.close()
         if exc.errno == errno.EADDRINUSE:
             raise MlscaleError(f"cannot serve on {host}:{port}: the port is already in use (another server?); "
-                               "choose another with --port") from None
+                               f"choose another with {flag}") from None
         raise MlscaleError(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None
 
 
@@ -92,16 +92,22 @@ def serve(uris: list[str], *, options: ServeOptions | None = None, registry_loca
     options = options or ServeOptions()
     sock = bind(options.host, options.port)
     try:
+        if options.grpc_port is not None:  # grpc binds its own socket later: only check that it can
+            bind(options.host, options.grpc_port, flag="--grpc-port").close()
         state = build_state(uris, options, Registry(registry_location, create=False))
     except BaseException:
         sock.close()
         raise
+    if options.grpc_port is not None:
+        host = f"[{options.host}]" if ":" in options.host else options.host
+        state.grpc_address = f"{host}:{options.grpc_port}"
     logging.basicConfig(level=logging.WARNING, format="mlscale serve: %(message)s")
     # No proxy-header rewriting (nothing here reads the client address) and no Server/Date headers:
     # per-request work the hot path does not need.
     config = uvicorn.Config(build_app(state), host=options.host, port=options.port, log_level=log_level,
                             access_log=False, timeout_graceful_shutdown=30, lifespan="on", proxy_headers=False,
                             server_header=False, date_header=False)
+    grpc_note = f", gRPC on {state.grpc_address}" if state.grpc_address else ""
     print(f"mlscale serve: {', '.join(uris)} on http://{options.host}:{options.port} (Open Inference Protocol "
-          "v2, /predict, /metrics)", file=sys.stderr, flush=True)
+          f"v2, /predict, /metrics{grpc_note})", file=sys.stderr, flush=True)
     _DrainingServer(config, state, options.drain_delay_s).run(sockets=[sock])

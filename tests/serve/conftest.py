@@ -47,10 +47,11 @@ def free_port() -> int:
 
 @contextmanager
 def running_server(registry: str, *args: str, ready_timeout: float = 60, cpus: set[int] | None = None):
-    """``mlscale serve ARGS`` in its own process on a free port (pinned to ``cpus`` if given);
-    yields (base URL, process)."""
+    """``mlscale serve ARGS`` in its own process on free ports (pinned to ``cpus`` if given); yields
+    (base URL, process), with ``process.grpc_address`` where its gRPC service listens."""
     port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "mlscale", "serve", *args, "--port", str(port),
+    grpc = [] if "--no-grpc" in args or "--grpc-port" in args else ["--grpc-port", str(free_port())]
+    process = subprocess.Popen([sys.executable, "-m", "mlscale", "serve", *args, "--port", str(port), *grpc,
                                 "--registry", registry], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)},
                                preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None)
@@ -68,6 +69,7 @@ def running_server(registry: str, *args: str, ready_timeout: float = 60, cpus: s
             if time.time() > deadline:
                 raise AssertionError("server did not become ready")
             time.sleep(0.1)
+        process.grpc_address = f"127.0.0.1:{grpc[1]}" if grpc else None  # type: ignore[attr-defined]
         yield base, process
     finally:
         if process.poll() is None:

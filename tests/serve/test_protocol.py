@@ -23,7 +23,8 @@ def test_health_and_metadata(server):
     assert httpx.get(f"{server}/v2/health/live").json() == {"live": True}
     assert httpx.get(f"{server}/v2/health/ready").json() == {"ready": True}
     meta = httpx.get(f"{server}/v2").json()
-    assert meta["name"] == "mlscale" and "version" in meta and meta["extensions"] == []
+    assert meta["name"] == "mlscale" and "version" in meta
+    assert meta["extensions"] == ["binary_tensor_data", "model_configuration", "statistics", "model_repository"]
     model = httpx.get(f"{server}/v2/models/digits").json()
     assert model == {"name": "digits", "versions": ["1", "2"], "platform": "onnxruntime_onnx",
                      "inputs": [{"name": "input", "datatype": "FP32", "shape": [-1, 64]}],

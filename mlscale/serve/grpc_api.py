@@ -1,0 +1,172 @@
+"""The Open Inference Protocol's gRPC service, ``inference.GRPCInferenceService``, on grpcio's
+asyncio server in the HTTP server's event loop: the same models, batchers, cache, admission control,
+metrics and hot reload, and the same shutdown (it stops with the HTTP server, after the drain delay,
+letting calls in flight finish).
+
+Inference takes ``raw_input_contents`` (what tritonclient sends) or typed ``contents`` and answers
+with ``raw_output_contents``, as Triton does. HTTP errors map to status codes: 400 INVALID_ARGUMENT,
+404 NOT_FOUND, 503 UNAVAILABLE (backpressure), 504 DEADLINE_EXCEEDED, 500 INTERNAL.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+import numpy as np
+from google.protobuf import json_format
+
+from mlscale.serve import describe
+from mlscale.serve.app import HTTPError, ServerState, admitted, internal_error, run_inference
+from mlscale.serve.models import ServedModel
+from mlscale.serve.proto import inference_pb2 as pb
+from mlscale.serve.protocol import (
+    FRAMING_PARAMETERS,
+    BadRequest,
+    array_from_bytes,
+    array_to_bytes,
+    as_array,
+    check_shape,
+)
+from mlscale.serve.runtime import NUMPY_TO_V2
+
+log = logging.getLogger("mlscale.serve")
+SERVICE = "inference.GRPCInferenceService"  # the protocol's name for it on the wire
+STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
+          413: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE,
+          504: grpc.StatusCode.DEADLINE_EXCEEDED}
+# Which typed field of InferTensorContents holds each datatype (FP16 and BF16 travel only raw).
+TYPED_CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
+                  "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents",
+                  "UINT32": "uint_contents", "UINT64": "uint64_contents", "FP32": "fp32_contents",
+                  "FP64": "fp64_contents"}
+
+
+def _parameters(entries: Any) -> dict[str, Any]:
+    """A protobuf map of InferParameter as plain values (what the cache keys by), framing left out."""
+    values = {}
+    for key, parameter in entries.items():
+        choice = parameter.WhichOneof("parameter_choice")
+        if key not in FRAMING_PARAMETERS and choice is not None:
+            values[key] = getattr(parameter, choice)
+    return values
+
+
+def parse_infer(request: pb.ModelInferRequest, served: ServedModel) -> np.ndarray:
+    spec = served.input
+    if len(request.inputs) != 1:
+        raise BadRequest(f"'inputs' must hold one tensor, '{spec.name}'")
+    tensor = request.inputs[0]
+    if tensor.name != spec.name:
+        raise BadRequest(f"unknown input {tensor.name!r}: this model takes '{spec.name}'")
+    if tensor.datatype != spec.datatype:
+        raise BadRequest(f"input '{spec.name}' must have datatype {spec.datatype}, got {tensor.datatype!r}")
+    if any(output.name != served.output.name for output in request.outputs):
+        raise BadRequest(f"'outputs' may only name '{served.output.name}'")
+    shape = check_shape(spec, list(tensor.shape))
+    if request.raw_input_contents:
+        if len(request.raw_input_contents) != 1 or tensor.HasField("contents"):
+            raise BadRequest("give the input as one raw_input_contents entry or as typed contents, not both")
+        return array_from_bytes(request.raw_input_contents[0], spec, shape)
+    field = TYPED_CONTENTS.get(spec.datatype)
+    if field is None:
+        raise BadRequest(f"{spec.datatype} data must be sent as raw_input_contents")
+    return as_array(list(getattr(tensor.contents, field)), spec, shape)
+
+
+class InferenceService:
+    """The calls of the service; each returns the response message or aborts with a status code."""
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    async def ServerLive(self, request: pb.ServerLiveRequest, context: Any) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=self.state.check_live() is None)
+
+    async def ServerReady(self, request: pb.ServerReadyRequest, context: Any) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=self.state.ready)
+
+    async def ModelReady(self, request: pb.ModelReadyRequest, context: Any) -> pb.ModelReadyResponse:
+        self._served(request.name, request.version)
+        return pb.ModelReadyResponse(ready=self.state.ready)
+
+    async def ServerMetadata(self, request: pb.ServerMetadataRequest, context: Any) -> pb.ServerMetadataResponse:
+        return json_format.ParseDict(describe.server_metadata(), pb.ServerMetadataResponse())
+
+    async def ModelMetadata(self, request: pb.ModelMetadataRequest, context: Any) -> pb.ModelMetadataResponse:
+        served = self._served(request.name, request.version)
+        return json_format.ParseDict(describe.model_metadata(self.state, served), pb.ModelMetadataResponse())
+
+    async def ModelConfig(self, request: pb.ModelConfigRequest, context: Any) -> pb.ModelConfigResponse:
+        served = self._served(request.name, request.version)
+        return json_format.ParseDict({"config": describe.model_config(served)}, pb.ModelConfigResponse())
+
+    async def ModelStatistics(self, request: pb.ModelStatisticsRequest,
+                              context: Any) -> pb.ModelStatisticsResponse:
+        statistics = describe.statistics(self.state, request.name or None, request.version or None)
+        return json_format.ParseDict(statistics, pb.ModelStatisticsResponse())
+
+    async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Any) -> pb.RepositoryIndexResponse:
+        index = describe.repository_index(self.state, request.ready)
+        return json_format.ParseDict({"models": index}, pb.RepositoryIndexResponse())
+
+    async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
+        served = self._served(request.model_name, request.model_version)
+        return await admitted(self.state, served, lambda start: self._infer(request, served, start))
+
+    async def _infer(self, request: pb.ModelInferRequest, served: ServedModel, start: float) -> pb.ModelInferResponse:
+        try:
+            array = parse_infer(request, served)
+        except BadRequest as exc:
+            served.stats.failure("bad_request")
+            raise HTTPError(400, str(exc)) from None
+        output, answered_by = await run_inference(self.state, served, array, _parameters(request.parameters), start)
+        datatype = NUMPY_TO_V2.get(output.dtype, answered_by.output.datatype)
+        response = pb.ModelInferResponse(model_name=answered_by.name, model_version=str(answered_by.number),
+                                         id=request.id)
+        response.outputs.add(name=answered_by.output.name, datatype=datatype, shape=list(output.shape))
+        response.raw_output_contents.append(array_to_bytes(output, datatype))
+        return response
+
+    def _served(self, name: str, version: str) -> ServedModel:
+        return self.state.lookup(name, version or None)
+
+
+def _unary(call: Callable[[Any, Any], Awaitable[Any]]) -> Callable[[Any, Any], Awaitable[Any]]:
+    """The call, with an HTTPError (or a bug) turned into the matching status code."""
+
+    async def handle(request: Any, context: Any) -> Any:
+        try:
+            return await call(request, context)
+        except HTTPError as exc:
+            await context.abort(STATUS.get(exc.status, grpc.StatusCode.INTERNAL), str(exc))
+        except Exception as exc:  # a bug, not the client's fault: logged under an id, the server goes on
+            await context.abort(grpc.StatusCode.INTERNAL, str(internal_error(exc, "gRPC call failed")))
+
+    return handle
+
+
+def service_handler(state: ServerState) -> grpc.GenericRpcHandler:
+    service = InferenceService(state)
+    calls = {"ServerLive": pb.ServerLiveRequest, "ServerReady": pb.ServerReadyRequest,
+             "ModelReady": pb.ModelReadyRequest, "ServerMetadata": pb.ServerMetadataRequest,
+             "ModelMetadata": pb.ModelMetadataRequest, "ModelInfer": pb.ModelInferRequest,
+             "ModelConfig": pb.ModelConfigRequest, "ModelStatistics": pb.ModelStatisticsRequest,
+             "RepositoryIndex": pb.RepositoryIndexRequest}
+    return grpc.method_handlers_generic_handler(SERVICE, {
+        name: grpc.unary_unary_rpc_method_handler(_unary(getattr(service, name)),
+                                                  request_deserializer=message.FromString,
+                                                  response_serializer=lambda response: response.SerializeToString())
+        for name, message in calls.items()})
+
+
+async def start_grpc(state: ServerState, address: str, max_message_bytes: int) -> grpc.aio.Server:
+    """The gRPC server, listening on ``address`` in the running event loop."""
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message_bytes),
+                                      ("grpc.max_send_message_length", -1)])
+    server.add_generic_rpc_handlers((service_handler(state),))
+    server.add_insecure_port(address)
+    await server.start()
+    return server
