@@ -45,6 +45,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     for flag, kind in _FLAGS.items():
         p.add_argument(flag, type=kind, help=_field_help(flag[2:].replace("-", "_")))
     p.add_argument("--no-grpc", action="store_true", help="serve HTTP only")
+    p.add_argument("--precision", choices=["as-trained", "fp16", "bf16"], help=_field_help("precision"))
     p.add_argument("--runtime", choices=["auto", "onnx", "torch"],
                    help="auto (default): onnxruntime when the version has an ONNX export, else torch")
     add_registry_option(p)
@@ -54,7 +55,7 @@ def _serve(args: argparse.Namespace) -> int:
     from mlscale.serve import serve
     from mlscale.serve.options import serve_options
 
-    names = [flag[2:].replace("-", "_") for flag in _FLAGS] + ["runtime"]
+    names = [flag[2:].replace("-", "_") for flag in _FLAGS] + ["runtime", "precision"]
     options = serve_options(**{name: getattr(args, name) for name in names})
     if args.no_grpc:
         options = options.model_copy(update={"grpc_port": None})

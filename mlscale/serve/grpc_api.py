@@ -29,8 +29,8 @@ from mlscale.serve.protocol import (
     array_to_bytes,
     as_array,
     check_shape,
+    output_datatype,
 )
-from mlscale.serve.runtime import NUMPY_TO_V2
 
 log = logging.getLogger("mlscale.serve")
 SERVICE = "inference.GRPCInferenceService"  # the protocol's name for it on the wire
@@ -123,7 +123,7 @@ class InferenceService:
             served.stats.failure("bad_request")
             raise HTTPError(400, str(exc)) from None
         output, answered_by = await run_inference(self.state, served, array, _parameters(request.parameters), start)
-        datatype = NUMPY_TO_V2.get(output.dtype, answered_by.output.datatype)
+        datatype = output_datatype(output, answered_by.output)
         response = pb.ModelInferResponse(model_name=answered_by.name, model_version=str(answered_by.number),
                                          id=request.id)
         response.outputs.add(name=answered_by.output.name, datatype=datatype, shape=list(output.shape))

@@ -30,12 +30,14 @@ class ServedModel:
         self.version, self.runtime, self.options = version, runtime, options
         self.name, self.number = version.name, version.version
         signature = version.signature
-        self.input = TensorSpec(signature["inputs"][0]["name"], signature["inputs"][0]["datatype"],
+        self.input = TensorSpec(signature["inputs"][0]["name"], runtime.datatype or signature["inputs"][0]["datatype"],
                                 tuple(signature["inputs"][0]["shape"]))
-        self.output = TensorSpec(signature["outputs"][0]["name"], signature["outputs"][0]["datatype"],
+        self.output = TensorSpec(signature["outputs"][0]["name"],
+                                 runtime.datatype or signature["outputs"][0]["datatype"],
                                  tuple(signature["outputs"][0]["shape"]))
         artifact = version.artifacts.get("model.onnx" if runtime.kind == "onnx" else "model.safetensors")
-        self.content_id = f"{runtime.kind}:{artifact.sha256 if artifact else version.uri}"
+        # what computes the answers: the artifact and the precision it runs in (a cache key's first part)
+        self.content_id = f"{runtime.kind}:{artifact.sha256 if artifact else version.uri}:{self.output.datatype}"
         self.labels = (self.name, str(self.number))
         self.stats = metrics.stats_for(*self.labels)
         self.batcher = DynamicBatcher(runtime, stats=self.stats,
@@ -70,7 +72,7 @@ class ModelSlot:
         """Load (unless given) and warm a version off the event loop, ready to be swapped in."""
         if runtime is None:
             runtime = await asyncio.to_thread(load_runtime, self.registry, version, self.options.runtime,
-                                              self.options.threads)
+                                              self.options.threads, self.options.precision)
         served = ServedModel(version, runtime, self.options, self.metrics)
         await asyncio.to_thread(served.warm_up)
         return served

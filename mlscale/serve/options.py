@@ -29,6 +29,9 @@ class ServeOptions(BaseModel):
                                  "requests that would miss it")
     timeout_ms: float = Field(10_000, gt=0, description="longest a request may wait in the queue (then 504)")
     runtime: Literal["auto", "onnx", "torch"] = "auto"
+    precision: Literal["as-trained", "fp16", "bf16"] = Field(
+        "as-trained", description="the datatype the model computes in and its inputs and outputs have: as "
+        "trained, or FP16 / BF16 (weights cast at load; the torch runtime)")
     threads: int = Field(1, ge=1, description="threads per model execution")
     cache_mb: float = Field(64.0, ge=0, description="response cache size; 0 turns it off")
     reload_interval_s: float = Field(2.0, gt=0, description="how often aliases and stages are checked")

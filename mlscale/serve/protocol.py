@@ -57,12 +57,14 @@ def as_array(data: Any, spec: TensorSpec, shape: list[int]) -> np.ndarray:
         # (NaN fails it too), so the cast cannot overflow (no np.errstate needed).
         if array.size and not np.abs(array).max() < _ROUNDS_TO_INF[dtype]:
             raise BadRequest("'data' holds values that are not finite in " + spec.datatype)
+        if spec.datatype == "BF16":  # to the nearest BF16 value, as binary data would carry it
+            return as_bf16(array.reshape(shape).astype(np.float32), spec.datatype)
         return array.reshape(shape).astype(dtype)
     with np.errstate(all="ignore"):
         converted = array.reshape(shape).astype(dtype)
     if dtype.kind == "f" and not np.isfinite(converted).all():
         raise BadRequest("'data' holds values that are not finite in " + spec.datatype)
-    return converted
+    return as_bf16(converted, spec.datatype) if spec.datatype == "BF16" else converted
 
 
 def check_shape(spec: TensorSpec, shape: Any) -> list[int]:
@@ -129,12 +131,24 @@ def wire_dtype(datatype: str) -> np.dtype:
     return V2_TO_NUMPY[datatype].newbyteorder("<")
 
 
+def _bf16_bits(array: np.ndarray) -> np.ndarray:
+    """The BF16 bits nearest to float32 values (round half to even on the dropped half)."""
+    bits = np.ascontiguousarray(array, dtype=np.float32).view(np.uint32)
+    return ((bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16).astype("<u2")
+
+
+def as_bf16(array: np.ndarray, datatype: str) -> np.ndarray:
+    """float32 values rounded to BF16 (still float32); refused if that overflows."""
+    rounded = (_bf16_bits(array).astype(np.uint32) << 16).view(np.float32)
+    if not np.isfinite(rounded).all():
+        raise BadRequest("'data' holds values that are not finite in " + datatype)
+    return rounded
+
+
 def array_to_bytes(array: np.ndarray, datatype: str) -> bytes:
     """Raw little-endian bytes of a tensor in ``datatype`` (BF16: rounded to nearest even)."""
     if datatype == "BF16":
-        bits = np.ascontiguousarray(array, dtype=np.float32).view(np.uint32)
-        rounded = (bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16  # round half to even on the dropped half
-        return rounded.astype("<u2").tobytes()
+        return _bf16_bits(array).tobytes()
     return np.ascontiguousarray(array, dtype=wire_dtype(datatype)).tobytes()
 
 
@@ -204,10 +218,15 @@ def parse_predict(body: Any, spec: TensorSpec) -> np.ndarray:
     return as_array(rows, spec, check_shape(spec, [len(rows), *row_shape]))
 
 
+def output_datatype(array: np.ndarray, output: TensorSpec) -> str:
+    """The datatype of a computed output: the model's, unless the array says otherwise."""
+    return output.datatype if array.dtype == output.dtype else NUMPY_TO_V2.get(array.dtype, output.datatype)
+
+
 def v2_response(model: str, version: int, output: TensorSpec, array: np.ndarray, request_id: Any,
                 binary: bool = False) -> tuple[dict[str, Any], bytes]:
     """The answer's JSON and, for a binary output, its raw bytes (to follow the JSON)."""
-    datatype = NUMPY_TO_V2.get(array.dtype, output.datatype)
+    datatype = output_datatype(array, output)
     tensor: dict[str, Any] = {"name": output.name, "shape": list(array.shape), "datatype": datatype}
     raw = b""
     if binary:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -22,12 +22,14 @@ NUMPY_TO_V2 = {dtype: v2 for v2, dtype in V2_TO_NUMPY.items()}
 
 class Runtime(Protocol):
     kind: str
+    datatype: str | None  # the datatype the model computes in, when it is not the registered one
 
     def run(self, batch: np.ndarray) -> np.ndarray: ...
 
 
 class OnnxRuntime:
     kind = "onnx"
+    datatype = None
 
     def __init__(self, path: str, threads: int = 1) -> None:
         from mlscale.export.session import onnx_session
@@ -39,17 +41,27 @@ class OnnxRuntime:
 
 
 class TorchRuntime:
+    """Eager torch; ``datatype`` FP16 or BF16 casts the model's weights to it, and inputs and outputs
+    are then that datatype (BF16 carried in float32 arrays, as numpy has no bfloat16)."""
+
     kind = "torch"
 
-    def __init__(self, model: object, threads: int = 1) -> None:
+    def __init__(self, model: Any, threads: int = 1, datatype: str | None = None) -> None:
         import torch
 
         torch.set_num_threads(threads)
-        self.model, self._torch = model, torch
+        self.datatype, self._torch = datatype, torch
+        self._dtype = getattr(torch, V2_TO_NAME[datatype]) if datatype else None
+        self.model = model.to(self._dtype) if self._dtype is not None else model
 
     def run(self, batch: np.ndarray) -> np.ndarray:
-        with self._torch.inference_mode():
-            return self.model(self._torch.from_numpy(batch)).numpy()
+        torch = self._torch
+        with torch.inference_mode():
+            inputs = torch.from_numpy(batch)
+            if self._dtype is not None:
+                inputs = inputs.to(self._dtype)
+            output = self.model(inputs)
+            return (output.float() if output.dtype == torch.bfloat16 else output).numpy()
 
 
 @dataclass(frozen=True)
@@ -60,12 +72,24 @@ class TensorSpec:
 
     @cached_property  # read on every request
     def dtype(self) -> np.dtype:
-        return V2_TO_NUMPY[self.datatype]
+        """The numpy dtype of arrays of this tensor (BF16: float32 arrays of BF16 values)."""
+        return np.dtype(np.float32) if self.datatype == "BF16" else V2_TO_NUMPY[self.datatype]
 
 
-def load_runtime(registry: Registry, version: ModelVersion, kind: str = "auto", threads: int = 1) -> Runtime:
+PRECISIONS = {"fp16": "FP16", "bf16": "BF16"}
+
+
+def load_runtime(registry: Registry, version: ModelVersion, kind: str = "auto", threads: int = 1,
+                 precision: str = "as-trained") -> Runtime:
     if kind not in ("auto", "onnx", "torch"):
         raise UsageError(f"bad value runtime={kind!r}: must be auto, onnx or torch")
+    if precision != "as-trained":
+        if kind == "onnx":
+            raise UsageError(f"bad value precision={precision!r}: reduced-precision serving runs on the torch "
+                             "runtime (--runtime torch or auto)")
+        from mlscale.registry import load_torch_model
+
+        return TorchRuntime(load_torch_model(registry, version), threads, datatype=PRECISIONS[precision])
     if kind == "onnx" or (kind == "auto" and "model.onnx" in version.artifacts):
         if "model.onnx" not in version.artifacts:
             raise UsageError(f"{version.uri} has no ONNX artifact: run `mlscale export {version.uri}` first, "

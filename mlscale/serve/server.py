@@ -66,7 +66,7 @@ def build_state(uris: list[str], options: ServeOptions, registry: Registry) -> S
     slots = []
     for uri in uris:  # fail fast: unknown models, missing ONNX artifacts, undeclared tasks
         version = registry.resolve(uri)
-        runtime = load_runtime(registry, version, options.runtime, options.threads)
+        runtime = load_runtime(registry, version, options.runtime, options.threads, options.precision)
         slots.append(ModelSlot(uri, registry, options, metrics, loaded=(version, runtime)))
     return ServerState(slots, metrics, cache, options.max_body_bytes, exec_timeout_s=options.exec_timeout_s)
 

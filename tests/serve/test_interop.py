@@ -264,3 +264,37 @@ def test_a_taken_grpc_port_is_one_line_before_anything_loads(serve_registry):
     assert result.returncode == 1 and f"cannot serve on 127.0.0.1:{port}" in result.stderr
     assert "--grpc-port" in result.stderr and "Traceback" not in result.stderr
 
+
+
+@pytest.mark.parametrize(("precision", "datatype", "tolerance"), [("fp16", "FP16", 2e-3), ("bf16", "BF16", 2e-2)])
+def test_reduced_precision_models_over_binary_json_and_grpc(serve_registry, server, precision, datatype, tolerance):
+    import ml_dtypes
+
+    kind = {"FP16": np.float16, "BF16": ml_dtypes.bfloat16}[datatype]
+    base32, _ = server
+    batch = np.random.default_rng(5).random((4, 64), dtype=np.float32)
+    reference = _json_output(base32, batch)
+    with running_server(serve_registry, "models:/digits/1", "--precision", precision) as (base, process):
+        client = httpclient.InferenceServerClient(base.removeprefix("http://"))
+        assert client.get_model_metadata("digits")["inputs"][0]["datatype"] == datatype
+        assert client.get_model_config("digits")["input"][0]["data_type"] == f"TYPE_{datatype}"
+        tensor = httpclient.InferInput("input", [4, 64], datatype)
+        tensor.set_data_from_numpy(batch.astype(kind))
+        binary = client.infer("digits", [tensor]).as_numpy("output")
+        assert binary.dtype == kind and np.abs(binary.astype(np.float32) - reference).max() < tolerance
+        remote = grpcclient.InferenceServerClient(process.grpc_address)
+        tensor = grpcclient.InferInput("input", [4, 64], datatype)
+        tensor.set_data_from_numpy(batch.astype(kind))
+        assert np.array_equal(remote.infer("digits", [tensor]).as_numpy("output"), binary)
+        values = batch.astype(kind).astype(np.float32).reshape(-1).tolist()
+        body = {"inputs": [{"name": "input", "shape": [4, 64], "datatype": datatype, "data": values}]}
+        answer = httpx.post(f"{base}/v2/models/digits/infer", json=body).json()["outputs"][0]
+        assert answer["datatype"] == datatype
+        assert np.array_equal(np.asarray(answer["data"], dtype=np.float32).reshape(4, 10), binary.astype(np.float32))
+
+
+def test_reduced_precision_on_the_onnx_runtime_is_refused(serve_registry):
+    command = [sys.executable, "-m", "mlscale", "serve", "models:/digits/1", "--precision", "bf16", "--runtime",
+               "onnx", "--port", str(free_port()), "--registry", serve_registry]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "reduced-precision serving runs on the torch runtime" in result.stderr

@@ -152,3 +152,31 @@ def test_tensor_data_is_converted_to_the_model_dtype():
     assert as_int.dtype == np.int64 and as_int.tolist() == [[1, 2, 3, 4]]
     flags = _v2([True, False, True, True], spec=TensorSpec("input", "BOOL", (-1, 4)))
     assert flags.dtype == np.bool_
+
+
+@pytest.mark.parametrize("datatype", ["BOOL", "UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32",
+                                      "INT64", "FP16", "FP32", "FP64", "BF16"])
+def test_binary_tensor_data_round_trips_every_datatype(datatype):
+    from mlscale.serve.protocol import array_from_bytes, array_to_bytes
+
+    spec = TensorSpec("input", datatype, (-1, 3))
+    values = np.array([[0, 1, 2], [3, 4, 5]], dtype=np.float64) * (1 if datatype != "BOOL" else 0) + \
+        (np.array([[1, 0, 1], [0, 0, 1]]) if datatype == "BOOL" else 0)
+    array = values.astype(spec.dtype)
+    raw = array_to_bytes(array, datatype)
+    assert len(raw) == 6 * {"BOOL": 1, "UINT8": 1, "INT8": 1, "UINT16": 2, "INT16": 2, "FP16": 2, "BF16": 2}.get(
+        datatype, 4 if datatype in ("UINT32", "INT32", "FP32") else 8)
+    back = array_from_bytes(raw, spec, [2, 3])
+    assert back.dtype == spec.dtype and np.array_equal(back, array)
+
+
+def test_bf16_rounds_to_nearest_even_and_refuses_overflow():
+    from mlscale.serve.protocol import array_from_bytes, array_to_bytes
+
+    spec = TensorSpec("input", "BF16", (-1, 3))
+    values = np.array([[1.0 + 2**-8, 1.0 + 3 * 2**-8, 0.1]], dtype=np.float32)  # halfway cases and an inexact one
+    back = array_from_bytes(array_to_bytes(values, "BF16"), spec, [1, 3])
+    assert back.tolist()[0][:2] == [1.0, 1.0 + 2**-6]  # ties go to the even mantissa
+    assert abs(back[0, 2] - 0.1) < 2**-10
+    with pytest.raises(BadRequest, match="not finite in BF16"):
+        _v2([3.3999e38, 0.0, 0.0], shape=(1, 3), spec=spec)
