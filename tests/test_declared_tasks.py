@@ -62,7 +62,7 @@ def poisoned_registry(tmp_path_factory):
 @pytest.mark.parametrize("command", [("serve", "--runtime", "torch"), ("export",), ("serve",)])
 def test_a_registry_row_naming_a_system_function_runs_nothing_on_serve_or_export(index, command, poisoned_registry):
     registry, markers = poisoned_registry
-    port = ("--port", str(free_port())) if command[0] == "serve" else ()
+    port = ("--port", str(free_port()), "--no-grpc") if command[0] == "serve" else ()
     result = run_cli(command[0], f"models:/evil{index}/1", *command[1:], *port, "--registry", registry, timeout=60)
     _refused_once(result, markers[DANGEROUS[index - 1]])
 

@@ -170,7 +170,8 @@ def start_server(kind: str, model: dict[str, Any], args: argparse.Namespace, *, 
     if kind == "mlscale":
         command = [sys.executable, "-m", "mlscale", "serve", model["uri"], "--registry", model["registry"],
                    "--port", str(port), "--max-batch-size", str(args.max_batch_size), "--max-delay-ms",
-                   str(args.max_delay_ms), "--cache-mb", str(cache_mb), "--queue-limit", "4096", "--threads", "1"]
+                   str(args.max_delay_ms), "--cache-mb", str(cache_mb), "--queue-limit", "4096", "--threads", "1",
+                   "--no-grpc"]
         if slo_ms:
             command += ["--slo-ms", str(slo_ms)]
         name = model["uri"].split("/")[1]

@@ -298,3 +298,23 @@ def test_reduced_precision_on_the_onnx_runtime_is_refused(serve_registry):
                "onnx", "--port", str(free_port()), "--registry", serve_registry]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "reduced-precision serving runs on the torch runtime" in result.stderr
+
+
+def test_grpc_follows_a_moved_alias_like_http(serve_registry):
+    from mlscale.registry import Registry
+
+    registry = Registry(serve_registry)
+    registry.set_alias("digits", 1, "production")
+    try:
+        with running_server(serve_registry, "models:/digits@production", "--reload-interval-s", "0.2") as (_, process):
+            client = grpcclient.InferenceServerClient(process.grpc_address)
+            tensor = grpcclient.InferInput("input", [1, 64], "FP32")
+            tensor.set_data_from_numpy(np.zeros((1, 64), dtype=np.float32))
+            assert client.infer("digits", [tensor]).get_response().model_version == "1"
+            registry.set_alias("digits", 2, "production")
+            deadline = time.time() + 15
+            while client.infer("digits", [tensor]).get_response().model_version != "2":
+                assert time.time() < deadline, "the gRPC service did not follow the alias"
+                time.sleep(0.1)
+    finally:
+        registry.set_alias("digits", 1, "production")
