@@ -25,6 +25,7 @@ latency ms) of every answered request: where a tail came from (a burst, a stall,
 from __future__ import annotations
 
 import asyncio
+import base64
 import collections
 import contextlib
 import json
@@ -36,8 +37,9 @@ from typing import Any
 _clock = time.perf_counter
 
 
-def _request_bytes(host: str, path: str, body: bytes) -> bytes:
-    head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+def _request_bytes(host: str, path: str, body: bytes, headers: dict[str, str] | None = None) -> bytes:
+    extra = "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
+    head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n{extra}"
             f"Content-Length: {len(body)}\r\n\r\n")
     return head.encode() + body
 
@@ -96,7 +98,10 @@ class _Connection(asyncio.Protocol):
 class _Generator:
     def __init__(self, config: dict[str, Any]) -> None:
         self.host, self.port = config["host"], config["port"]
-        self.payloads = [_request_bytes(self.host, config["path"], body.encode()) for body in config["bodies"]]
+        # "bodies": text (JSON); "bodies_b64": bytes (binary tensor data), sent with "headers"
+        bodies = [base64.b64decode(b) for b in config["bodies_b64"]] if "bodies_b64" in config \
+            else [body.encode() for body in config["bodies"]]
+        self.payloads = [_request_bytes(self.host, config["path"], body, config.get("headers")) for body in bodies]
         self.connections = config.get("connections", 64)
         self.max_connections: int | None = config.get("max_connections")
         rate, horizon = config["rate"], config["warmup_s"] + config["duration_s"]

@@ -14,6 +14,7 @@ only, one repeat, short trials, goodput only) gives a first look in two or three
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
 import itertools
 import json
@@ -54,7 +55,9 @@ MODELS = {
 }
 
 
-SYSTEMS = ("mlscale", *LITSERVE_SYSTEMS, "fastapi")
+# mlscale-binary: the same server, sent the binary tensor data extension (tritonclient's default) instead
+# of JSON tensors, and asked for binary outputs.
+SYSTEMS = ("mlscale", "mlscale-binary", *LITSERVE_SYSTEMS, "fastapi")
 CHECKS = ("goodput", "overload", "cache")
 # --quick: what each option becomes, unless given on the command line
 QUICK = {"models": ["digits-mlp"], "repeats": 1, "duration_s": 1.5, "warmup_s": 0.5, "bisect": 2,
@@ -113,7 +116,8 @@ class Server:
     process: subprocess.Popen[bytes]
     port: int
     path: str
-    bodies: list[str]
+    bodies: list[str]  # JSON text, or base64 of binary bodies (with ``headers``)
+    headers: dict[str, str] | None = None  # binary tensor data: the JSON header's length
     idle_s: float = 0.0  # median latency of one request at a time on the idle server (set when ready)
     processes: int = 0  # processes of the server's process group once ready, all pinned to SERVER_CPU
     config: dict[str, Any] | None = None  # a LitServe system's settings (``anchors.litserve_config``)
@@ -164,10 +168,22 @@ def v2_body(row: np.ndarray) -> str:
                                    "data": [float(x) for x in row]}]})
 
 
+def v2_binary_header(width: int) -> bytes:
+    """The JSON header of a one-row binary request (the same for every row of a width)."""
+    return json.dumps({"inputs": [{"name": "input", "shape": [1, width], "datatype": "FP32",
+                                   "parameters": {"binary_data_size": 4 * width}}],
+                       "parameters": {"binary_data_output": True}}).encode()
+
+
+def v2_binary_body(row: np.ndarray) -> str:
+    """Base64 of the JSON header and the row's float32 bytes, as tritonclient sends them."""
+    return base64.b64encode(v2_binary_header(len(row)) + row.astype("<f4").tobytes()).decode()
+
+
 def start_server(kind: str, model: dict[str, Any], args: argparse.Namespace, *, cache_mb: float = 0.0,
                  slo_ms: float | None = None) -> Server:
-    port, rows, config = _free_port(), model["rows"], None
-    if kind == "mlscale":
+    port, rows, config, headers = _free_port(), model["rows"], None, None
+    if kind in ("mlscale", "mlscale-binary"):
         command = [sys.executable, "-m", "mlscale", "serve", model["uri"], "--registry", model["registry"],
                    "--port", str(port), "--max-batch-size", str(args.max_batch_size), "--max-delay-ms",
                    str(args.max_delay_ms), "--cache-mb", str(cache_mb), "--queue-limit", "4096", "--threads", "1",
@@ -176,6 +192,9 @@ def start_server(kind: str, model: dict[str, Any], args: argparse.Namespace, *, 
             command += ["--slo-ms", str(slo_ms)]
         name = model["uri"].split("/")[1]
         path, bodies = f"/v2/models/{name}/infer", [v2_body(r) for r in rows]
+        if kind == "mlscale-binary":
+            bodies = [v2_binary_body(r) for r in rows]
+            headers = {"Inference-Header-Content-Length": str(len(v2_binary_header(rows.shape[1])))}
     elif kind in (*LITSERVE_SYSTEMS, "fastapi"):
         command = [sys.executable, "-m", "mlscale.bench.anchors", kind, model["onnx"], str(port)]
         if kind in LITSERVE_SYSTEMS:
@@ -188,7 +207,7 @@ def start_server(kind: str, model: dict[str, Any], args: argparse.Namespace, *, 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
                                preexec_fn=_pin_server, start_new_session=True)
-    server = Server(kind, process, port, path, bodies, config=config)
+    server = Server(kind, process, port, path, bodies, headers=headers, config=config)
     try:
         _wait_ready(server)
     except BaseException:  # a server that never came up must not stay behind, pinned to the server core
@@ -216,7 +235,10 @@ def group_processes(pgid: int) -> list[int]:
 
 
 def _post(conn: Any, server: Server, body: str) -> int:
-    conn.request("POST", server.path, body=body, headers={"Content-Type": "application/json"})
+    if server.headers:  # a binary body, as base64
+        conn.request("POST", server.path, body=base64.b64decode(body), headers=server.headers)
+    else:
+        conn.request("POST", server.path, body=body, headers={"Content-Type": "application/json"})
     response = conn.getresponse()
     response.read()
     return response.status
@@ -291,8 +313,10 @@ def wait_drained(server: Server, timeout: float = 120.0, in_a_row: int = 3) -> f
 def trial(server: Server, rate: float, args: argparse.Namespace, bodies: list[str] | None = None) -> dict[str, Any]:
     """One open-loop run at ``rate``, started on a drained server."""
     drained_s = wait_drained(server)
-    config = {"host": "127.0.0.1", "port": server.port, "path": server.path, "bodies": bodies or server.bodies,
-              "rate": rate, "duration_s": args.duration_s, "warmup_s": args.warmup_s, "cpu": LOADGEN_CPU,
+    payload = {"bodies_b64": server.bodies, "headers": server.headers} if server.headers and bodies is None \
+        else {"bodies": bodies or server.bodies}
+    config = {"host": "127.0.0.1", "port": server.port, "path": server.path, **payload, "rate": rate,
+              "duration_s": args.duration_s, "warmup_s": args.warmup_s, "cpu": LOADGEN_CPU,
               "connections": POOL_CONNECTIONS, "max_connections": POOL_CONNECTIONS, "seed": int(rate)}
     output = subprocess.run([sys.executable, "-m", "mlscale.bench.loadgen"], input=json.dumps(config),
                             capture_output=True, text=True, timeout=args.duration_s + args.warmup_s + 60)
@@ -500,7 +524,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
     plt = pyplot()
     models = results["models"]
     fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 4.5), squeeze=False)
-    colors = {"mlscale": "tab:blue", "litserve": "tab:orange", "litserve-tuned": "tab:red", "fastapi": "tab:gray"}
+    colors = {"mlscale": "tab:blue", "mlscale-binary": "tab:cyan", "litserve": "tab:orange",
+              "litserve-tuned": "tab:red", "fastapi": "tab:gray"}
     for ax, (name, row) in zip(axes[0], models.items()):
         for system, data in row["systems"].items():
             trials = data["trials"]
