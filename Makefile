@@ -27,7 +27,7 @@ bench-train: $(BIN)/.installed
 	$(BIN)/mlscale bench train --out bench/results/train
 
 # The Open Inference Protocol's gRPC messages, generated from mlscale/serve/proto/inference.proto
-# (committed; tests/serve/test_grpc.py checks that the module matches a fresh generation).
+# (committed; tests/serve/test_interop.py checks that the module matches a fresh generation).
 proto: $(BIN)/.installed
 	$(BIN)/python -m grpc_tools.protoc -I . --python_out=. mlscale/serve/proto/inference.proto
 

@@ -40,6 +40,7 @@ from mlscale.serve.protocol import (
 
 log = logging.getLogger("mlscale.serve")
 T = TypeVar("T")
+GRPC_GRACE_S = 30.0  # as uvicorn's timeout_graceful_shutdown: calls in flight at the end of the drain
 
 
 class HTTPError(Exception):
@@ -67,7 +68,16 @@ class ServerState:
         self.tasks: list[asyncio.Task[None]] = []
         self.grpc_address: str | None = None  # where the gRPC service listens, once the models are loaded
         self.grpc_server: Any = None
+        self._grpc_stop: tuple[float, asyncio.Future[None]] | None = None  # (grace, the stop under way)
         self.loop_lag_s = 0.0  # how late the event loop runs what is ready: the server's own backlog
+
+    def stop_grpc(self, grace_s: float) -> asyncio.Future[None]:
+        """Stop the gRPC service: refuse new calls now, let calls in flight finish for ``grace_s``
+        (0: cancel them). Called again, it returns the stop under way, unless asked for a shorter
+        grace (a second signal)."""
+        if self._grpc_stop is None or grace_s < self._grpc_stop[0]:
+            self._grpc_stop = grace_s, asyncio.ensure_future(self.grpc_server.stop(grace_s))
+        return self._grpc_stop[1]
 
     async def watch_loop_lag(self, period_s: float = 0.005) -> None:
         """EWMA of event-loop lag. Under overload requests wait in the server before any handler runs;
@@ -364,7 +374,7 @@ def build_app(state: ServerState) -> InferenceFrontend:
                                                 request.path_params.get("version")))
 
     async def repository_index(request: Request) -> Response:
-        body = await request.body()
+        body = await _read_body(request.scope, request.receive, state.max_body_bytes)
         options = _decode(body) if body else {}
         if not isinstance(options, dict) or not isinstance(options.get("ready", False), bool):
             raise HTTPError(400, 'the body must be {} or {"ready": true|false}')
@@ -406,8 +416,8 @@ def build_app(state: ServerState) -> InferenceFrontend:
         state.ready = not state.draining
         yield
         state.ready = False
-        if state.grpc_server is not None:  # after the drain, like HTTP: calls in flight finish
-            await state.grpc_server.stop(grace=30)
+        if state.grpc_server is not None:  # stopping since the drain ended (see server.py); wait for it
+            await state.stop_grpc(GRPC_GRACE_S)
         for task in state.tasks:
             task.cancel()
         for slot in state.slots:

@@ -158,6 +158,7 @@ class DynamicBatcher:
             slo_s, limit=min(queue_limit, 4 * max_batch_size), min_limit=min(queue_limit, max_batch_size),
             max_limit=queue_limit)
         self.executions = 0
+        self.last_elapsed = 0.0  # seconds of the last model call
         self._queue: deque[_Pending] = deque()
         self._queued_rows = 0
         self._arrived = asyncio.Event()
@@ -297,7 +298,7 @@ class DynamicBatcher:
             self.stats.executing.set(0)
             self._last_done = time.perf_counter()
             self._concurrent = self._concurrent or bool(self._queue)
-        elapsed = time.perf_counter() - start
+        elapsed = self.last_elapsed = time.perf_counter() - start
         self.cost_model.observe(len(array), elapsed)
         self.executions += 1
         self.stats.executions.inc()
@@ -319,13 +320,19 @@ class DynamicBatcher:
             for pending in batch:  # isolate the bad request: its batch-mates still get answers
                 try:
                     _resolve(pending, value=await self._run(pending.array))
+                    self._count_compute(1)
                 except Exception as single_exc:
                     _resolve(pending, exc=single_exc)
             return
+        self._count_compute(len(batch))
         start = 0
         for pending in batch:
             _resolve(pending, value=output[start:start + pending.rows])
             start += pending.rows
+
+    def _count_compute(self, requests: int) -> None:
+        self.stats.compute_requests.inc(requests)
+        self.stats.compute_request_seconds.inc(requests * self.last_elapsed)
 
     async def close(self) -> None:
         """Finish what is queued, then stop (the drain of a replaced version)."""

@@ -92,23 +92,23 @@ class ResponseCache:
             self.bytes -= _size(old_key, old)
 
     async def get_or_compute(self, key: bytes, compute: Callable[[], Awaitable[np.ndarray]]) -> tuple[np.ndarray, str]:
-        """(value, how): how is ``hit``, ``coalesced`` (waited for an identical miss) or ``miss``."""
+        """(value, how): how is ``hit``, ``coalesced`` (waited for an identical miss) or ``miss``.
+
+        The miss is computed in a task of its own that every caller awaits shielded: a caller that
+        goes away (a cancelled gRPC call, a client past its deadline) must not cancel the work that
+        the others wait for."""
         value = self.get(key)
         if value is not None:
             return value, "hit"  # type: ignore[return-value]
         pending = self._inflight.get(key)
         if pending is not None:
             return await asyncio.shield(pending), "coalesced"
-        future: asyncio.Future[np.ndarray] = asyncio.get_running_loop().create_future()
-        self._inflight[key] = future
-        try:
-            value = await compute()
-        except BaseException as exc:
-            future.set_exception(exc)
-            future.exception()  # retrieved: waiters get it, nobody else should warn
-            raise
-        finally:
-            self._inflight.pop(key, None)
-        future.set_result(value)
-        self.put(key, value)
-        return value, "miss"
+        task = asyncio.ensure_future(compute())
+        self._inflight[key] = task
+        task.add_done_callback(lambda done: self._finished(key, done))
+        return await asyncio.shield(task), "miss"
+
+    def _finished(self, key: bytes, task: asyncio.Future[np.ndarray]) -> None:
+        self._inflight.pop(key, None)
+        if not task.cancelled() and task.exception() is None:  # exception(): retrieved, the waiters have it
+            self.put(key, task.result())

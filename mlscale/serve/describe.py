@@ -18,8 +18,10 @@ if TYPE_CHECKING:
     from mlscale.serve.models import ServedModel
     from mlscale.serve.runtime import TensorSpec
 
-# The protocol extensions served, as Triton names them.
-EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics", "model_repository"]
+# The protocol extensions served, as Triton names them (the repository index is served, but not the
+# model_repository extension's load and unload: it is not advertised).
+EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics"]
+BACKENDS = {"onnx": ("onnxruntime_onnx", "onnxruntime"), "torch": ("pytorch_libtorch", "pytorch")}
 
 
 def server_metadata() -> dict[str, Any]:
@@ -27,7 +29,7 @@ def server_metadata() -> dict[str, Any]:
 
 
 def platform(served: ServedModel) -> str:
-    return "onnxruntime_onnx" if served.runtime.kind == "onnx" else "pytorch_torch"
+    return BACKENDS[served.runtime.kind][0]
 
 
 def tensor_metadata(spec: TensorSpec) -> dict[str, Any]:
@@ -48,7 +50,7 @@ def _config_tensor(spec: TensorSpec) -> dict[str, Any]:
 def model_config(served: ServedModel) -> dict[str, Any]:
     """Triton's model configuration: the batch bound and the dynamic batcher's settings."""
     options = served.options
-    return {"name": served.name, "platform": platform(served), "backend": served.runtime.kind,
+    return {"name": served.name, "platform": platform(served), "backend": BACKENDS[served.runtime.kind][1],
             "max_batch_size": options.max_batch_size,
             "input": [_config_tensor(served.input)], "output": [_config_tensor(served.output)],
             "dynamic_batching": {"preferred_batch_size": [options.max_batch_size],
@@ -62,7 +64,8 @@ def _duration(count: float, seconds: float) -> dict[str, int]:
 def model_statistics(served: ServedModel) -> dict[str, Any]:
     """Counts and cumulative nanoseconds, from the server's metrics. ``fail`` has no duration (failures
     are counted, not timed); there is no separate input/output copy step (``compute_input`` and
-    ``compute_output`` are zero); ``compute_infer`` is per model execution (a batch)."""
+    ``compute_output`` are zero); ``compute_infer`` counts requests, each with the duration of the
+    batch it ran in, as Triton does (``execution_count`` counts the batches)."""
     stats = served.stats
     failed = sum(counter.value for counter in stats.failures.values())
     return {
@@ -73,7 +76,7 @@ def model_statistics(served: ServedModel) -> dict[str, Any]:
             "fail": _duration(failed, 0.0),
             "queue": _duration(stats.queue.count, stats.queue.sum),
             "compute_input": _duration(0, 0.0),
-            "compute_infer": _duration(stats.compute.count, stats.compute.sum),
+            "compute_infer": _duration(stats.compute_requests.value, stats.compute_request_seconds.value),
             "compute_output": _duration(0, 0.0),
             "cache_hit": _duration(stats.cache["hit"].value, 0.0),
             "cache_miss": _duration(stats.cache["miss"].value, 0.0),
@@ -84,7 +87,12 @@ def model_statistics(served: ServedModel) -> dict[str, Any]:
 
 def statistics(state: ServerState, name: str | None = None, version: str | None = None) -> dict[str, Any]:
     """``model_stats`` of one model (or version), or of every model served."""
-    served = [state.lookup(name, version)] if name else [s.current for s in state.slots if s.current is not None]
+    if name and version:
+        served = [state.lookup(name, version)]
+    else:
+        served = [s.current for s in state.slots if s.current is not None and (not name or s.current.name == name)]
+        if name and not served:
+            state.lookup(name)  # the 404
     return {"model_stats": [model_statistics(model) for model in served]}
 
 

@@ -18,17 +18,19 @@ import grpc
 import numpy as np
 from google.protobuf import json_format
 
+from mlscale.errors import MlscaleError
 from mlscale.serve import describe
 from mlscale.serve.app import HTTPError, ServerState, admitted, internal_error, run_inference
 from mlscale.serve.models import ServedModel
 from mlscale.serve.proto import inference_pb2 as pb
 from mlscale.serve.protocol import (
-    FRAMING_PARAMETERS,
     BadRequest,
+    answer_parameters,
     array_from_bytes,
     array_to_bytes,
     as_array,
-    check_shape,
+    check_input,
+    check_outputs,
     output_datatype,
 )
 
@@ -45,27 +47,17 @@ TYPED_CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int
 
 
 def _parameters(entries: Any) -> dict[str, Any]:
-    """A protobuf map of InferParameter as plain values (what the cache keys by), framing left out."""
-    values = {}
-    for key, parameter in entries.items():
-        choice = parameter.WhichOneof("parameter_choice")
-        if key not in FRAMING_PARAMETERS and choice is not None:
-            values[key] = getattr(parameter, choice)
-    return values
+    """A protobuf map of InferParameter as plain values, those that change the answer (the cache key)."""
+    values = {key: getattr(parameter, parameter.WhichOneof("parameter_choice"))
+              for key, parameter in entries.items() if parameter.WhichOneof("parameter_choice") is not None}
+    return answer_parameters(values)
 
 
 def parse_infer(request: pb.ModelInferRequest, served: ServedModel) -> np.ndarray:
     spec = served.input
-    if len(request.inputs) != 1:
-        raise BadRequest(f"'inputs' must hold one tensor, '{spec.name}'")
-    tensor = request.inputs[0]
-    if tensor.name != spec.name:
-        raise BadRequest(f"unknown input {tensor.name!r}: this model takes '{spec.name}'")
-    if tensor.datatype != spec.datatype:
-        raise BadRequest(f"input '{spec.name}' must have datatype {spec.datatype}, got {tensor.datatype!r}")
-    if any(output.name != served.output.name for output in request.outputs):
-        raise BadRequest(f"'outputs' may only name '{served.output.name}'")
-    shape = check_shape(spec, list(tensor.shape))
+    tensor = request.inputs[0] if request.inputs else pb.ModelInferRequest.InferInputTensor()
+    shape = check_input(spec, tensor.name, tensor.datatype, list(tensor.shape), len(request.inputs))
+    check_outputs(served.output, [output.name for output in request.outputs])
     if request.raw_input_contents:
         if len(request.raw_input_contents) != 1 or tensor.HasField("contents"):
             raise BadRequest("give the input as one raw_input_contents entry or as typed contents, not both")
@@ -164,9 +156,13 @@ def service_handler(state: ServerState) -> grpc.GenericRpcHandler:
 
 async def start_grpc(state: ServerState, address: str, max_message_bytes: int) -> grpc.aio.Server:
     """The gRPC server, listening on ``address`` in the running event loop."""
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", max_message_bytes),
-                                      ("grpc.max_send_message_length", -1)])
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", min(max_message_bytes, 2**31 - 1)),
+                                      ("grpc.max_send_message_length", -1),
+                                      ("grpc.so_reuseport", 0)])  # never share the port with another server
     server.add_generic_rpc_handlers((service_handler(state),))
-    server.add_insecure_port(address)
+    try:
+        server.add_insecure_port(address)
+    except RuntimeError as exc:  # taken since start-up checked it
+        raise MlscaleError(f"cannot serve gRPC on {address}: {exc}; choose another with --grpc-port") from None
     await server.start()
     return server

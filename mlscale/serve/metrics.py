@@ -104,6 +104,8 @@ class ModelStats:
             Gauge() for _ in range(5))
         self.failures: dict[str, Counter] = {}
         self.last_inference_ms = 0  # wall clock of the last model execution (the statistics extension's)
+        # per request, as Triton counts compute: each request of a batch, with its batch's duration
+        self.compute_requests, self.compute_request_seconds = Counter(), Counter()
 
     def failure(self, reason: str) -> None:
         counter = self.failures.get(reason)

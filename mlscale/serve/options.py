@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from mlscale.errors import UsageError
 
@@ -40,6 +40,12 @@ class ServeOptions(BaseModel):
                                  "inference is still served, before the listener closes")
     exec_timeout_s: float | None = Field(None, gt=0, description="a model call running longer marks the "
                                          "server not live (liveness 503), so an orchestrator restarts it")
+
+    @model_validator(mode="after")
+    def _ports_differ(self) -> ServeOptions:
+        if self.grpc_port == self.port:
+            raise ValueError(f"grpc-port {self.grpc_port} is the HTTP port: give each its own")
+        return self
 
     @property
     def max_body_bytes(self) -> int:

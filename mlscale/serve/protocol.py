@@ -87,7 +87,30 @@ class V2Request:
 
 
 _LENGTH = re.compile(rb"[0-9]{1,18}")
-FRAMING_PARAMETERS = ("binary_data_output",)  # how the answer travels, not what it is
+# Request parameters that change an answer, and so belong in the cache key: none of the models served
+# takes any. The others (binary_data_output, timeout, priority, sequence ids...) say how or when to
+# answer, not what: a JSON, a binary and a gRPC request for one tensor share one cache entry.
+ANSWER_PARAMETERS: tuple[str, ...] = ()
+
+
+def answer_parameters(parameters: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in parameters.items() if key in ANSWER_PARAMETERS}
+
+
+def check_input(spec: TensorSpec, name: Any, datatype: Any, shape: Any, count: int = 1) -> list[int]:
+    """The request's one input tensor named, typed and shaped as the model takes it; its shape."""
+    if count != 1:
+        raise BadRequest(f"'inputs' must be a list with one tensor, '{spec.name}'")
+    if name != spec.name:
+        raise BadRequest(f"unknown input {name!r}: this model takes '{spec.name}'")
+    if datatype != spec.datatype:
+        raise BadRequest(f"input '{spec.name}' must have datatype {spec.datatype}, got {datatype!r}")
+    return check_shape(spec, shape)
+
+
+def check_outputs(output: TensorSpec, names: list[Any]) -> None:
+    if any(name != output.name for name in names):
+        raise BadRequest(f"'outputs' may only name '{output.name}'")
 
 
 def split_body(body: bytes, header_length: bytes | None) -> tuple[bytes, bytes]:
@@ -164,23 +187,19 @@ def parse_v2(body: Any, spec: TensorSpec, output: TensorSpec, binary: bytes = b"
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     inputs = body.get("inputs")
-    if not isinstance(inputs, list) or len(inputs) != 1 or not isinstance(inputs[0], dict):
+    if not isinstance(inputs, list) or not all(isinstance(tensor, dict) for tensor in inputs):
         raise BadRequest(f"'inputs' must be a list with one tensor, '{spec.name}'")
-    tensor = inputs[0]
-    if tensor.get("name") != spec.name:
-        raise BadRequest(f"unknown input {tensor.get('name')!r}: this model takes '{spec.name}'")
-    if tensor.get("datatype") != spec.datatype:
-        raise BadRequest(f"input '{spec.name}' must have datatype {spec.datatype}, got {tensor.get('datatype')!r}")
-    shape = check_shape(spec, tensor.get("shape"))
+    tensor = inputs[0] if inputs else {}
+    shape = check_input(spec, tensor.get("name"), tensor.get("datatype"), tensor.get("shape"), len(inputs))
     parameters = body.get("parameters") or {}
     if not isinstance(parameters, dict):
         raise BadRequest("'parameters' must be an object")
     binary_output = bool(_flag(parameters, "binary_data_output"))
     requested = body.get("outputs")
     if requested is not None:
-        if not isinstance(requested, list) or any(
-                not isinstance(o, dict) or o.get("name") != output.name for o in requested):
+        if not isinstance(requested, list) or not all(isinstance(o, dict) for o in requested):
             raise BadRequest(f"'outputs' may only name '{output.name}'")
+        check_outputs(output, [o.get("name") for o in requested])
         for wanted in requested:
             choice = _flag(wanted.get("parameters") or {}, "binary_data")
             binary_output = binary_output if choice is None else choice
@@ -201,8 +220,7 @@ def parse_v2(body: Any, spec: TensorSpec, output: TensorSpec, binary: bytes = b"
             raise BadRequest(f"input '{spec.name}' declares binary_data_size {size} but {len(binary)} bytes of "
                              "binary data follow the JSON header")
         array = array_from_bytes(binary, spec, shape)
-    kept = {k: v for k, v in parameters.items() if k not in FRAMING_PARAMETERS}
-    return V2Request(array, kept, request_id, binary_output)
+    return V2Request(array, answer_parameters(parameters), request_id, binary_output)
 
 
 def parse_predict(body: Any, spec: TensorSpec) -> np.ndarray:

@@ -20,7 +20,7 @@ import uvicorn
 
 from mlscale.errors import MlscaleError
 from mlscale.registry import Registry
-from mlscale.serve.app import ServerState, build_app
+from mlscale.serve.app import GRPC_GRACE_S, ServerState, build_app
 from mlscale.serve.cache import ResponseCache
 from mlscale.serve.metrics import ServerMetrics
 from mlscale.serve.models import ModelSlot
@@ -56,6 +56,8 @@ class _DrainingServer(uvicorn.Server):
         if self.drain_ends is not None and not self.should_exit and time.monotonic() >= self.drain_ends:
             log.warning("drain delay over: closing the listener, finishing requests in flight")
             self.should_exit = True
+        if self.should_exit and self.state.grpc_server is not None:  # gRPC closes with HTTP, in the loop
+            self.state.stop_grpc(0 if self.force_exit else GRPC_GRACE_S)
         return await super().on_tick(counter)
 
 

@@ -223,6 +223,25 @@ def test_identical_concurrent_misses_run_the_model_once():
     assert hows.count("miss") == 1 and hows.count("coalesced") == 99
 
 
+def test_a_cancelled_first_caller_does_not_fail_those_waiting_on_the_same_miss():
+    async def scenario():
+        batcher = make(Doubler(delay_s=0.1))
+        cache = ResponseCache(1 << 20)
+        key = cache_key("v1", rows(3))
+        first = asyncio.ensure_future(cache.get_or_compute(key, lambda: batcher.submit(rows(3))))
+        await asyncio.sleep(0.01)
+        waiting = asyncio.ensure_future(cache.get_or_compute(key, lambda: batcher.submit(rows(3))))
+        await asyncio.sleep(0.01)
+        first.cancel()  # a gRPC client that went away
+        value, how = await waiting
+        await batcher.close()
+        return first, value, how, cache.get(key)
+
+    first, value, how, cached = asyncio.run(scenario())
+    assert first.cancelled() and how == "coalesced"
+    assert np.array_equal(value, rows(3) * 2) and np.array_equal(cached, value)
+
+
 def test_failures_are_not_cached():
     async def scenario():
         batcher = make(Doubler())

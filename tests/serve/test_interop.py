@@ -146,7 +146,9 @@ def test_model_config_statistics_and_repository_index_over_http(server):
     assert after["inference_count"] == before["inference_count"] + 7
     success, was = after["inference_stats"]["success"], before["inference_stats"]["success"]
     assert success["count"] == was["count"] + 2 and success["ns"] > was["ns"]
-    assert after["inference_stats"]["compute_infer"]["count"] >= before["inference_stats"]["compute_infer"]["count"] + 1
+    # compute counts requests (each with its batch's duration), as Triton's; executions count batches
+    assert after["inference_stats"]["compute_infer"]["count"] == before["inference_stats"]["compute_infer"]["count"] + 2
+    assert after["execution_count"] - before["execution_count"] in (1, 2)
     assert after["last_inference"] >= time.time() * 1e3 - 60_000
     everything = client.get_inference_statistics()["model_stats"]
     assert {(m["name"], m["version"]) for m in everything} == {("digits", "1"), ("misbehaving", "1")}
@@ -214,7 +216,7 @@ def _slow_request(rows: int = 1, first: float = 0.0) -> service_pb2.ModelInferRe
 
 def test_grpc_backpressure_is_unavailable_and_a_queue_timeout_deadline_exceeded(serve_registry):
     with running_server(serve_registry, "models:/misbehaving/1", "--queue-limit", "1", "--timeout-ms", "500",
-                        "--cache-mb", "0", "--max-delay-ms", "0") as (_, process):
+                        "--cache-mb", "0", "--max-delay-ms", "0") as (base, process):
         stub = service_pb2_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(process.grpc_address))
         codes = []
 
@@ -227,7 +229,10 @@ def test_grpc_backpressure_is_unavailable_and_a_queue_timeout_deadline_exceeded(
 
         with ThreadPoolExecutor(8) as pool:
             pool.submit(call, _slow_request(first=SLOW))  # holds the model for 2 s
-            time.sleep(0.5)
+            deadline = time.time() + 10
+            while metric(base, "mlscale_inference_executing", model="misbehaving", version="1") != 1:
+                assert time.time() < deadline, "the slow call never started"
+                time.sleep(0.02)
             for value in range(6):
                 pool.submit(call, _slow_request(first=float(value)))
         assert grpc.StatusCode.UNAVAILABLE in codes  # the queue of 1 was full
@@ -235,15 +240,22 @@ def test_grpc_backpressure_is_unavailable_and_a_queue_timeout_deadline_exceeded(
 
 
 def test_sigterm_drains_grpc_too(serve_registry):
-    with running_server(serve_registry, "models:/digits/1", "--drain-delay-s", "2") as (_, process):
+    with running_server(serve_registry, "models:/misbehaving/1", "--drain-delay-s", "1",
+                        "--cache-mb", "0") as (_, process):
         client = grpcclient.InferenceServerClient(process.grpc_address)
-        process.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
-        assert not client.is_server_ready()  # load balancers stop sending
-        tensor = grpcclient.InferInput("input", [1, 64], "FP32")
-        tensor.set_data_from_numpy(np.zeros((1, 64), dtype=np.float32))
-        assert client.infer("digits", [tensor]).as_numpy("output").shape == (1, 10)  # still served
+        stub = service_pb2_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(process.grpc_address))
+        with ThreadPoolExecutor(1) as pool:
+            in_flight = pool.submit(stub.ModelInfer, _slow_request(first=SLOW), timeout=30)  # 2 s in the model
+            time.sleep(0.3)
+            process.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            assert not client.is_server_ready()  # load balancers stop sending
+            assert stub.ModelInfer(_slow_request(), timeout=10).model_name == "misbehaving"  # still served
+            assert in_flight.result().model_name == "misbehaving"  # past the drain delay: finished, not cut
         assert process.wait(timeout=30) == 0
+        with pytest.raises(grpc.RpcError) as gone:
+            stub.ModelInfer(_slow_request(), timeout=5)
+        assert gone.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
 def test_the_committed_grpc_module_is_what_the_proto_generates(tmp_path):
@@ -318,3 +330,12 @@ def test_grpc_follows_a_moved_alias_like_http(serve_registry):
                 time.sleep(0.1)
     finally:
         registry.set_alias("digits", 1, "production")
+
+
+def test_the_grpc_port_must_not_be_the_http_port():
+    from pydantic import ValidationError
+
+    from mlscale.serve.options import ServeOptions
+
+    with pytest.raises(ValidationError, match="is the HTTP port"):
+        ServeOptions(port=9000, grpc_port=9000)

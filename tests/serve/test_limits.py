@@ -111,7 +111,7 @@ def test_the_torch_runtime_with_several_threads_serves_the_models_own_answers(se
     import torch
 
     expected = load_torch_model(registry, registry.get_version("digits", 1))(torch.from_numpy(rows)).detach().numpy()
-    for runtime, platform in (("torch", "pytorch_torch"), ("onnx", "onnxruntime_onnx")):
+    for runtime, platform in (("torch", "pytorch_libtorch"), ("onnx", "onnxruntime_onnx")):
         with running_server(serve_registry, "models:/digits/1", "--runtime", runtime, "--threads", "2") as (base, _):
             assert httpx.get(f"{base}/v2/models/digits").json()["platform"] == platform
             answer = httpx.post(f"{base}/v2/models/digits/infer", json=infer_body(rows.tolist())).json()

@@ -24,12 +24,12 @@ def test_health_and_metadata(server):
     assert httpx.get(f"{server}/v2/health/ready").json() == {"ready": True}
     meta = httpx.get(f"{server}/v2").json()
     assert meta["name"] == "mlscale" and "version" in meta
-    assert meta["extensions"] == ["binary_tensor_data", "model_configuration", "statistics", "model_repository"]
+    assert meta["extensions"] == ["binary_tensor_data", "model_configuration", "statistics"]
     model = httpx.get(f"{server}/v2/models/digits").json()
     assert model == {"name": "digits", "versions": ["1", "2"], "platform": "onnxruntime_onnx",
                      "inputs": [{"name": "input", "datatype": "FP32", "shape": [-1, 64]}],
                      "outputs": [{"name": "output", "datatype": "FP32", "shape": [-1, 10]}]}
-    assert httpx.get(f"{server}/v2/models/slow").json()["platform"] == "pytorch_torch"
+    assert httpx.get(f"{server}/v2/models/slow").json()["platform"] == "pytorch_libtorch"
     assert httpx.get(f"{server}/v2/models/digits/versions/2/ready").json() == {"name": "digits", "ready": True}
 
 
