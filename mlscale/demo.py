@@ -93,7 +93,7 @@ def measure_serving(registry: Registry, run_dir: Path) -> dict[str, Any]:
     uri = f"models:/{MODEL_NAME}/Production"
     held_out = task_of(registry.resolve(uri).config).eval.inputs.numpy()
     args = argparse.Namespace(max_batch_size=64, max_delay_ms=2.0, slo_ms=SLO_MS, duration_s=1.5, warmup_s=0.5,
-                              bisect=2, start_rate=400.0)
+                              bisect=2, start_rate=400.0, rows_per_request=1)
     model = {"uri": uri, "registry": REGISTRY, "rows": distinct_rows(held_out, DISTINCT_BODIES)}
     server = bench.start_server("mlscale", model, args, cache_mb=0.0)
     try:

@@ -86,6 +86,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="offered rate of the overload check (default: 2x mlscale's measured goodput)")
     p.add_argument("--repeats", type=int_at_least(1), default=3,
                    help="goodput searches per system, taking turns; the median is reported (default 3)")
+    p.add_argument("--rows-per-request", type=int_at_least(1), default=1,
+                   help="rows in each request (default 1); more than 1: mlscale systems only (the anchors' "
+                   "endpoints take one row)")
     p.add_argument("--max-batch-size", type=int_at_least(1), default=64)
     p.add_argument("--max-delay-ms", type=float_above(-1e-9), default=10.0,
                    help="mlscale --max-delay-ms and LitServe batch_timeout, the same for both (default 10)")
@@ -164,20 +167,28 @@ def prepare_models(scratch: Path, names: list[str]) -> dict[str, dict[str, Any]]
 
 
 def v2_body(row: np.ndarray) -> str:
-    return json.dumps({"inputs": [{"name": "input", "shape": [1, len(row)], "datatype": "FP32",
-                                   "data": [float(x) for x in row]}]})
+    """A JSON request of one row, or of the rows of a 2-D array."""
+    rows = row.reshape(-1, row.shape[-1])
+    return json.dumps({"inputs": [{"name": "input", "shape": list(rows.shape), "datatype": "FP32",
+                                   "data": [float(x) for x in rows.reshape(-1)]}]})
 
 
-def v2_binary_header(width: int) -> bytes:
-    """The JSON header of a one-row binary request (the same for every row of a width)."""
-    return json.dumps({"inputs": [{"name": "input", "shape": [1, width], "datatype": "FP32",
-                                   "parameters": {"binary_data_size": 4 * width}}],
+def v2_binary_header(rows: int, width: int) -> bytes:
+    """The JSON header of a binary request (the same for every request of a shape)."""
+    return json.dumps({"inputs": [{"name": "input", "shape": [rows, width], "datatype": "FP32",
+                                   "parameters": {"binary_data_size": 4 * rows * width}}],
                        "parameters": {"binary_data_output": True}}).encode()
 
 
-def v2_binary_body(row: np.ndarray) -> str:
-    """Base64 of the JSON header and the row's float32 bytes, as tritonclient sends them."""
-    return base64.b64encode(v2_binary_header(len(row)) + row.astype("<f4").tobytes()).decode()
+def v2_binary_body(rows: np.ndarray) -> str:
+    """Base64 of the JSON header and the rows' float32 bytes, as tritonclient sends them."""
+    return base64.b64encode(v2_binary_header(*rows.shape) + rows.astype("<f4").tobytes()).decode()
+
+
+def request_rows(rows: np.ndarray, per_request: int) -> list[np.ndarray]:
+    """The sample rows grouped ``per_request`` to a request (as many requests as rows, cycling)."""
+    return [np.take(rows, range(i * per_request, (i + 1) * per_request), axis=0, mode="wrap")
+            for i in range(len(rows))]
 
 
 def start_server(kind: str, model: dict[str, Any], args: argparse.Namespace, *, cache_mb: float = 0.0,
@@ -191,10 +202,11 @@ def start_server(kind: str, model: dict[str, Any], args: argparse.Namespace, *, 
         if slo_ms:
             command += ["--slo-ms", str(slo_ms)]
         name = model["uri"].split("/")[1]
-        path, bodies = f"/v2/models/{name}/infer", [v2_body(r) for r in rows]
+        requests = request_rows(rows, args.rows_per_request)
+        path, bodies = f"/v2/models/{name}/infer", [v2_body(r) for r in requests]
         if kind == "mlscale-binary":
-            bodies = [v2_binary_body(r) for r in rows]
-            headers = {"Inference-Header-Content-Length": str(len(v2_binary_header(rows.shape[1])))}
+            bodies = [v2_binary_body(r) for r in requests]
+            headers = {"Inference-Header-Content-Length": str(len(v2_binary_header(*requests[0].shape)))}
     elif kind in (*LITSERVE_SYSTEMS, "fastapi"):
         command = [sys.executable, "-m", "mlscale.bench.anchors", kind, model["onnx"], str(port)]
         if kind in LITSERVE_SYSTEMS:
@@ -458,7 +470,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 f"{args.max_delay_ms / 1e3:g} s, 1 API server, 1 inference worker, its processes all on CPU "
                 f"{SERVER_CPU} (litserve-tuned: the same with the GC heap frozen after start-up, as mlscale does; "
                 f"settings and process count in each system's litserve_config and server_processes); inputs: 200 "
-                f"distinct held-out rows, one per request; overload: "
+                f"distinct held-out rows, {args.rows_per_request} per request; overload: "
                 f"2x mlscale's goodput, with --slo-ms {args.slo_ms:g} and without (invalid where the generator "
                 f"lagged); cache: one repeated request at 1,000/s against a bare-ASGI no-op endpoint on uvicorn, "
                 f"alternating, median p50 of 5"),
@@ -551,6 +563,9 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
             *args.checks, *args.systems}:
         raise UsageError("bad value checks=overload: its rate is 2x mlscale's goodput, so it needs the goodput "
                          "check and the mlscale system, or an explicit --overload-rate")
+    if args.rows_per_request > 1 and not set(args.systems) <= {"mlscale", "mlscale-binary"}:
+        raise UsageError(f"bad value rows-per-request={args.rows_per_request}: the anchors' endpoints take one "
+                         "row per request; use --systems mlscale,mlscale-binary")
     results = run_benchmark(args)
     json_path, png_path = write_results(args.out, "serve", results, plot)
     for name, row in results["models"].items():
