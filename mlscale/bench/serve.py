@@ -475,6 +475,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 f"lagged); cache: one repeated request at 1,000/s against a bare-ASGI no-op endpoint on uvicorn, "
                 f"alternating, median p50 of 5"),
         "slo_ms": args.slo_ms,
+        "rows_per_request": args.rows_per_request,
         "command": "mlscale bench serve " + " ".join(sys.argv[3:]) if sys.argv[1:3] == ["bench", "serve"] else "",
         "machine": machine_info(),
     })
@@ -544,9 +545,11 @@ def plot(results: dict[str, Any], path: Path) -> None:
             ax.plot([t["offered_rate"] for t in trials], [t["latency_ms"]["p99"] for t in trials], marker="o",
                     color=colors.get(system), label=f"{system} (goodput {data['goodput']:,.0f}/s)")
         ax.axhline(results["slo_ms"], color="red", linestyle="--", label=f"SLO p99 {results['slo_ms']:g} ms")
-        if row.get("offline_items_per_s"):
-            ax.axvline(row["offline_items_per_s"], color="green", linestyle=":",
-                       label=f"offline ceiling {row['offline_items_per_s']:,.0f}/s")
+        if row.get("offline_items_per_s"):  # rows/s offline, as requests/s of this many rows
+            per_request = results.get("rows_per_request", 1)
+            ax.axvline(row["offline_items_per_s"] / per_request, color="green", linestyle=":",
+                       label=f"offline ceiling {row['offline_items_per_s'] / per_request:,.0f} requests/s "
+                       f"of {per_request} row(s)")
         ax.set(xscale="log", yscale="log", xlabel="offered load (requests/s, Poisson)", ylabel="p99 latency (ms)",
                title=name)
         ax.legend(fontsize=8)

@@ -20,8 +20,8 @@ class ServeOptions(BaseModel):
 
     host: str = Field("127.0.0.1", description="address to listen on; 0.0.0.0 for every interface")
     port: int = Field(8000, ge=1, le=65535)
-    grpc_port: int | None = Field(8001, ge=1, le=65535, description="the Open Inference Protocol's gRPC "
-                                  "service (None: no gRPC)")
+    grpc_port: int | None = Field(8001, ge=1, le=65535, description="port of the Open Inference Protocol's "
+                                  "gRPC service (--no-grpc, or None in Python: none)")
     max_batch_size: int = Field(64, ge=1, description="most rows per model call")
     max_delay_ms: float = Field(2.0, ge=0, description="longest a queued request waits for batch-mates")
     queue_limit: int = Field(256, ge=1, description="queued requests per model before 503")
