@@ -1,0 +1,171 @@
+"""The online store: ``materialize`` writes each entity's latest feature values (at or before an end
+time) into a key-value store, and ``get_online_features`` looks them up by entity key for serving,
+applying the TTL at the request's time and the same on-demand transformations as training.
+
+Stores: SQLite (a file; the default) and Redis (``redis://`` URL). A value is written as JSON, whose
+floats round-trip exactly (the shortest repr of a float64), so the vector a model is served is bit for
+bit the one historical retrieval gives for the same entity and time.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Sequence
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import orjson
+
+from mlscale.errors import UsageError
+from mlscale.features.definitions import FeatureRepository, FeatureService, FeatureView
+from mlscale.features.offline import _duckdb, _quote
+
+Key = tuple[Any, ...]
+Record = tuple[int, dict[str, Any]]  # (event time in microseconds since the epoch, values)
+EPOCH = datetime(1970, 1, 1)
+
+
+class OnlineStore(Protocol):
+    def write(self, view: str, rows: Sequence[tuple[Key, Record]]) -> None: ...
+
+    def read(self, view: str, keys: Sequence[Key]) -> list[Record | None]: ...
+
+
+def _key(key: Key) -> str:
+    return orjson.dumps(list(key)).decode()
+
+
+class SQLiteStore:
+    """One table per view: entity key (JSON) -> event time, values (JSON)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = str(path)
+        Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+        self.connection = sqlite3.connect(self.path, check_same_thread=False)
+        self.connection.execute("PRAGMA journal_mode=WAL")
+
+    @staticmethod
+    def _table(view: str) -> str:
+        return _quote(f"view_{view}")
+
+    def write(self, view: str, rows: Sequence[tuple[Key, Record]]) -> None:
+        table = self._table(view)
+        with self.connection:
+            self.connection.execute(f"CREATE TABLE IF NOT EXISTS {table} (key TEXT PRIMARY KEY, event_us INTEGER, "
+                                    "value BLOB)")
+            self.connection.executemany(f"INSERT OR REPLACE INTO {table} VALUES (?, ?, ?)",
+                                        [(_key(k), t, orjson.dumps(v)) for k, (t, v) in rows])
+
+    def read(self, view: str, keys: Sequence[Key]) -> list[Record | None]:
+        names = [_key(k) for k in keys]
+        try:
+            found = dict(((k, (t, v)) for k, t, v in self.connection.execute(
+                f"SELECT key, event_us, value FROM {self._table(view)} WHERE key IN "
+                f"({','.join('?' * len(names))})", names)))
+        except sqlite3.OperationalError:  # nothing materialized for this view
+            return [None] * len(keys)
+        return [(found[n][0], orjson.loads(found[n][1])) if n in found else None for n in names]
+
+
+class RedisStore:
+    """``PREFIX:VIEW:KEY`` -> JSON [event time, values], in the Redis server at ``url``."""
+
+    def __init__(self, url: str, prefix: str = "mlscale") -> None:
+        try:
+            import redis
+        except ImportError:
+            raise UsageError("a Redis online store needs redis: pip install 'mlscale[features]'") from None
+        self.client, self.prefix = redis.Redis.from_url(url), prefix
+
+    def _name(self, view: str, key: Key) -> str:
+        return f"{self.prefix}:{view}:{_key(key)}"
+
+    def write(self, view: str, rows: Sequence[tuple[Key, Record]]) -> None:
+        pipeline = self.client.pipeline(transaction=False)
+        for key, (t, values) in rows:
+            pipeline.set(self._name(view, key), orjson.dumps([t, values]))
+        pipeline.execute()
+
+    def read(self, view: str, keys: Sequence[Key]) -> list[Record | None]:
+        found = self.client.mget([self._name(view, key) for key in keys]) if keys else []
+        return [None if raw is None else tuple(orjson.loads(raw)) for raw in found]  # type: ignore[misc]
+
+
+def online_store(location: str | Path) -> OnlineStore:
+    """``redis://...`` -> Redis; anything else is a SQLite file."""
+    text = str(location)
+    if text.startswith(("redis://", "rediss://", "unix://")):
+        return RedisStore(text)
+    return SQLiteStore(text)
+
+
+def _micros(moment: datetime) -> int:
+    if moment.tzinfo is not None:
+        moment = moment.astimezone(timezone.utc).replace(tzinfo=None)
+    return (moment - EPOCH) // timedelta(microseconds=1)
+
+
+def _python(value: Any) -> Any:
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def materialize(repository: FeatureRepository, store: OnlineStore, end_date: datetime,
+                views: Sequence[str] | None = None) -> dict[str, int]:
+    """Write each entity's latest values at or before ``end_date`` (ties as in historical retrieval);
+    returns the rows written per view."""
+    written = {}
+    con = _duckdb().connect()
+    con.execute("SET TimeZone = 'UTC'")
+    for view in repository.views:
+        if not isinstance(view, FeatureView) or (views is not None and view.name not in views):
+            continue
+        source, keys = view.source, ", ".join(_quote(k) for k in view.join_keys)
+        order = f"{_quote(source.created_timestamp_column)} DESC NULLS LAST, " if source.created_timestamp_column \
+            else ""
+        path = str(source.path).replace("'", "''")
+        ts = f"CAST({_quote(source.timestamp_field)} AS TIMESTAMP)"
+        columns = ", ".join(_quote(c) for c in view.features)
+        rows = con.execute(
+            f"SELECT {keys}, epoch_us({ts}), {columns} FROM (SELECT *, row_number() OVER (PARTITION BY {keys} "
+            f"ORDER BY {ts} DESC, {order}filename DESC, file_row_number DESC) AS __rank FROM read_parquet('{path}', "
+            f"filename=true, file_row_number=true) WHERE {ts} <= ?) WHERE __rank = 1",
+            [end_date.replace(tzinfo=None) if end_date.tzinfo is None else end_date]).fetchall()
+        width = len(view.join_keys)
+        store.write(view.name, [(tuple(row[:width]), (row[width], dict(zip(view.features, row[width + 1:]))))
+                                for row in rows])
+        written[view.name] = len(rows)
+    return written
+
+
+def get_online_features(repository: FeatureRepository, store: OnlineStore, features: Sequence[str] | FeatureService,
+                        entity_rows: Sequence[dict[str, Any]], at: datetime | None = None,
+                        full_feature_names: bool = False) -> dict[str, list[Any]]:
+    """The features of each entity row (a dict of its join keys), as columns: a value older than its
+    view's TTL at ``at`` (default: now) is None, as historical retrieval at that time would give."""
+    references = features.references() if isinstance(features, FeatureService) else list(features)
+    resolved = repository.resolve(references)
+    now = _micros(at or datetime.now(timezone.utc))
+    cache: dict[str, list[dict[str, Any] | None]] = {}
+
+    def values_of(view: FeatureView) -> list[dict[str, Any] | None]:
+        if view.name not in cache:
+            try:
+                keys = [tuple(row[k] for k in view.join_keys) for row in entity_rows]
+            except KeyError as exc:
+                raise UsageError(f"an entity row lacks {exc.args[0]!r}, a join key of view {view.name!r}") from None
+            ttl_us = None if view.ttl is None else view.ttl // timedelta(microseconds=1)
+            cache[view.name] = [None if record is None or (ttl_us is not None and now - record[0] > ttl_us)
+                                else record[1] for record in store.read(view.name, keys)]
+        return cache[view.name]
+
+    out: dict[str, list[Any]] = {}
+    for (view, feature), reference in zip(resolved, references):
+        name = reference.replace(":", "__") if full_feature_names else feature
+        if isinstance(view, FeatureView):
+            out[name] = [None if values is None else values.get(feature) for values in values_of(view)]
+        else:
+            inputs = view.inputs(lambda source, f: [None if v is None else v.get(f) for v in values_of(source)])
+            out[name] = [_python(v) for v in view.transform(inputs)[feature]]
+    return out
