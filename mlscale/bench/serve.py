@@ -203,9 +203,9 @@ def start_server(kind: str, model: dict[str, Any], args: argparse.Namespace, *, 
             command += ["--slo-ms", str(slo_ms)]
         name = model["uri"].split("/")[1]
         requests = request_rows(rows, args.rows_per_request)
-        path, bodies = f"/v2/models/{name}/infer", [v2_body(r) for r in requests]
+        encode = v2_binary_body if kind == "mlscale-binary" else v2_body
+        path, bodies = f"/v2/models/{name}/infer", [encode(r) for r in requests]
         if kind == "mlscale-binary":
-            bodies = [v2_binary_body(r) for r in requests]
             headers = {"Inference-Header-Content-Length": str(len(v2_binary_header(*requests[0].shape)))}
     elif kind in (*LITSERVE_SYSTEMS, "fastapi"):
         command = [sys.executable, "-m", "mlscale.bench.anchors", kind, model["onnx"], str(port)]
@@ -489,7 +489,7 @@ def _ratios(row: dict[str, Any]) -> None:
     ours = systems["mlscale"]["goodput"]
     row["ratios"] = {f"mlscale_over_{name}": ours / s["goodput"] if s["goodput"] else None
                      for name, s in systems.items() if name != "mlscale"}
-    row["ratios"]["mlscale_over_offline"] = ours / row["offline_items_per_s"]
+    row["ratios"]["mlscale_over_offline"] = ours / (row["offline_items_per_s"] / row.get("rows_per_request", 1))
 
 
 def overload_check(model: dict[str, Any], args: argparse.Namespace, rate: float) -> dict[str, Any]:

@@ -92,30 +92,32 @@ class ParquetData:
         pq = _pyarrow()
         self.dtype = dtype
         self.files = find_files(source)
-        schema = self._schema(pq, self.files[0])
-        if target not in schema.names:
+        _, names = self._footer(pq, self.files[0])
+        if target not in names:
             raise UsageError(f"bad value target={target!r}: {self.files[0]} has no such column "
-                             f"(columns: {', '.join(schema.names)})")
+                             f"(columns: {', '.join(names)})")
         self.target = target
-        self.features = list(features) if features else [name for name in schema.names if name != target]
-        missing = [name for name in self.features if name not in schema.names]
+        self.features = list(features) if features else [name for name in names if name != target]
+        missing = [name for name in self.features if name not in names]
         if missing or not self.features:
             raise UsageError(f"bad value features={','.join(missing) or '(none)'}: not columns of {self.files[0]} "
-                             f"(columns: {', '.join(schema.names)})")
+                             f"(columns: {', '.join(names)})")
         self.groups = list(groups) if groups is not None else self._row_groups(pq)
 
     @staticmethod
-    def _schema(pq: Any, path: Path) -> Any:
+    def _footer(pq: Any, path: Path) -> tuple[Any, list[str]]:
+        """A file's metadata and column names, read once; a file pyarrow cannot read is one line."""
         try:
-            return pq.read_schema(path)
+            file = pq.ParquetFile(path)
+            return file.metadata, list(file.schema_arrow.names)
         except Exception as exc:  # pyarrow's ArrowInvalid and OSError both mean: cannot be read as Parquet
             raise UsageError(f"bad value data={str(path)!r}: not a readable Parquet file ({exc})") from None
 
     def _row_groups(self, pq: Any) -> list[RowGroup]:
         groups, first = [], 0
         for path in self.files:
-            metadata = pq.ParquetFile(path).metadata
-            names = set(self._schema(pq, path).names)
+            metadata, columns = self._footer(pq, path)
+            names = set(columns)
             if not {self.target, *self.features} <= names:
                 missing = sorted({self.target, *self.features} - names)
                 raise UsageError(f"bad value data={str(path)!r}: lacks the column(s) {', '.join(missing)} "
@@ -219,7 +221,9 @@ class ParquetData:
         digest.update(str([(Path(g.file).name, g.index) for g in self.groups]).encode())
 
     def identity(self) -> str:
-        """What the rows are, cheaply: the files (name, size, modification time) and the columns."""
+        """What the rows are, cheaply, for a cache to tell whether it still holds them (no file is
+        opened): the files (name, size, modification time) and the columns. ``fingerprint`` is for
+        lineage: what the files hold (their footers)."""
         files = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in self.files]
         return f"{files}:{self.features}:{self.target}"
 
@@ -286,8 +290,9 @@ class _ParquetBatches:
     def __init__(self, data: ParquetData, rank: int, world: int, batch_size: int, seed: int, window: int,
                  position: Position) -> None:
         self.rows = [group.rows for group in data.groups]
-        self.groups = deal_row_groups(self.rows, world, seed)[rank]
-        self.epoch_rows = epoch_rows(self.rows, world, seed)
+        plan = deal_row_groups(self.rows, world, seed)
+        self.groups = plan[rank]
+        self.epoch_rows = min(sum(self.rows[g] for g in groups) for groups in plan)
         self.rank, self.world, self.batch_size, self.seed, self.window = rank, world, batch_size, seed, window
         self.start = position
         self.positions: collections.deque[Position] = collections.deque()

@@ -5,7 +5,8 @@ The batches are the ``ShardLoader``'s: this rank's shard of the epoch order, fro
 DataLoader's batch sampler runs in this process and hands each batch's indices to the workers in
 order; it records the position after each batch as it goes, and the batches come back in that order,
 so the position of the batch just returned is always known: a resume mid-epoch reads exactly the
-rest of the epoch, with or without workers, also at another world size.
+rest of the epoch, with or without workers (for in-memory data also at another world size; Parquet
+data, ``parquet.py``, plans its own batches on ``StreamLoader``).
 
 The transform (``Task.transform``) runs per sample in the workers: the parallel map. The cache holds
 transformed samples by data-set row, filled as the epochs read them, so a sample is transformed once

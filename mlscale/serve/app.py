@@ -12,8 +12,8 @@ import gc
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -154,7 +154,7 @@ def _decode(body: bytes) -> Any:
 
 
 async def run_inference(state: ServerState, served: ServedModel, array: np.ndarray, params: dict[str, Any],
-                   start: float) -> tuple[np.ndarray, ServedModel]:
+                        start: float) -> tuple[np.ndarray, ServedModel]:
     """The output and the version that computed it (which the response must name). ``start``: when the
     request's handling began, less the event loop's lag then (its wait before any handler ran)."""
     try:
@@ -190,6 +190,16 @@ async def _predict_once(state: ServerState, served: ServedModel, array: np.ndarr
     stats.success.inc()
     stats.duration.observe(time.perf_counter() - start)
     return output
+
+
+@contextmanager
+def bad_request_is_400(served: ServedModel) -> Iterator[None]:
+    """A request that does not parse: counted, and a 400 with its message (every protocol)."""
+    try:
+        yield
+    except BadRequest as exc:
+        served.stats.failure("bad_request")
+        raise HTTPError(400, str(exc)) from None
 
 
 async def admitted(state: ServerState, served: ServedModel, answer: Callable[[float], Awaitable[T]]) -> T:
@@ -295,15 +305,12 @@ class InferenceFrontend:
             served.stats.success.inc()
             served.stats.duration.observe(time.perf_counter() - start)
             return Answer(cached)
-        try:
+        with bad_request_is_400(served):
             if predict:
                 request = V2Request(parse_predict(_decode(body), served.input))
             else:
                 header, binary = split_body(body, header_length)
                 request = parse_v2(_decode(header), served.input, served.output, binary)
-        except BadRequest as exc:
-            served.stats.failure("bad_request")
-            raise HTTPError(400, str(exc)) from None
         output, answered_by = await run_inference(state, served, request.array, request.parameters, start)
         raw = b""
         if predict:

@@ -20,7 +20,7 @@ from google.protobuf import json_format
 
 from mlscale.errors import MlscaleError
 from mlscale.serve import describe
-from mlscale.serve.app import HTTPError, ServerState, admitted, internal_error, run_inference
+from mlscale.serve.app import HTTPError, ServerState, admitted, bad_request_is_400, internal_error, run_inference
 from mlscale.serve.models import ServedModel
 from mlscale.serve.proto import inference_pb2 as pb
 from mlscale.serve.protocol import (
@@ -109,11 +109,8 @@ class InferenceService:
         return await admitted(self.state, served, lambda start: self._infer(request, served, start))
 
     async def _infer(self, request: pb.ModelInferRequest, served: ServedModel, start: float) -> pb.ModelInferResponse:
-        try:
+        with bad_request_is_400(served):
             array = parse_infer(request, served)
-        except BadRequest as exc:
-            served.stats.failure("bad_request")
-            raise HTTPError(400, str(exc)) from None
         output, answered_by = await run_inference(self.state, served, array, _parameters(request.parameters), start)
         datatype = output_datatype(output, answered_by.output)
         response = pb.ModelInferResponse(model_name=answered_by.name, model_version=str(answered_by.number),

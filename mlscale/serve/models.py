@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 import numpy as np
 
@@ -22,6 +23,14 @@ from mlscale.serve.runtime import Runtime, TensorSpec, load_runtime
 log = logging.getLogger("mlscale.serve")
 
 
+def _served_spec(tensor: dict[str, Any], precision: str | None) -> TensorSpec:
+    """A registered tensor as served: in the runtime's reduced precision if it is a floating-point one."""
+    datatype = tensor["datatype"]
+    if precision is not None and datatype in ("FP16", "FP32", "FP64"):
+        datatype = precision
+    return TensorSpec(tensor["name"], datatype, tuple(tensor["shape"]))
+
+
 class ServedModel:
     """One loaded version: its runtime, its batcher and what clients may send it."""
 
@@ -30,11 +39,7 @@ class ServedModel:
         self.version, self.runtime, self.options = version, runtime, options
         self.name, self.number = version.name, version.version
         signature = version.signature
-        self.input = TensorSpec(signature["inputs"][0]["name"], runtime.datatype or signature["inputs"][0]["datatype"],
-                                tuple(signature["inputs"][0]["shape"]))
-        self.output = TensorSpec(signature["outputs"][0]["name"],
-                                 runtime.datatype or signature["outputs"][0]["datatype"],
-                                 tuple(signature["outputs"][0]["shape"]))
+        self.input, self.output = (_served_spec(signature[side][0], runtime.datatype) for side in ("inputs", "outputs"))
         artifact = version.artifacts.get("model.onnx" if runtime.kind == "onnx" else "model.safetensors")
         # what computes the answers: the artifact and the precision it runs in (a cache key's first part)
         self.content_id = f"{runtime.kind}:{artifact.sha256 if artifact else version.uri}:{self.output.datatype}"

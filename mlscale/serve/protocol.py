@@ -139,7 +139,7 @@ def array_from_bytes(raw: bytes, spec: TensorSpec, shape: list[int]) -> np.ndarr
         values = (values.astype(np.uint32) << 16).view(np.float32)
     elif spec.datatype == "BOOL":
         values = values != 0
-    array = values.astype(spec.dtype if spec.datatype != "BF16" else np.float32)
+    array = values.astype(spec.dtype)
     if array.dtype.kind == "f" and not np.isfinite(array).all():
         raise BadRequest("binary data holds values that are not finite in " + spec.datatype)
     return array
@@ -206,8 +206,10 @@ def parse_v2(body: Any, spec: TensorSpec, output: TensorSpec, binary: bytes = b"
     request_id = body.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise BadRequest("'id' must be a string")
-    size = (tensor.get("parameters") or {}).get("binary_data_size") if isinstance(tensor.get("parameters"), dict) \
-        else None
+    tensor_parameters = tensor.get("parameters") or {}
+    if not isinstance(tensor_parameters, dict):
+        raise BadRequest(f"the 'parameters' of input '{spec.name}' must be an object")
+    size = tensor_parameters.get("binary_data_size")
     if size is None:
         if binary:
             raise BadRequest(f"{len(binary)} bytes of binary data follow the JSON header, but no input has "

@@ -58,7 +58,7 @@ class TorchRuntime:
         torch = self._torch
         with torch.inference_mode():
             inputs = torch.from_numpy(batch)
-            if self._dtype is not None:
+            if self._dtype is not None and inputs.is_floating_point():  # token ids stay integers
                 inputs = inputs.to(self._dtype)
             output = self.model(inputs)
             return (output.float() if output.dtype == torch.bfloat16 else output).numpy()
@@ -83,18 +83,14 @@ def load_runtime(registry: Registry, version: ModelVersion, kind: str = "auto", 
                  precision: str = "as-trained") -> Runtime:
     if kind not in ("auto", "onnx", "torch"):
         raise UsageError(f"bad value runtime={kind!r}: must be auto, onnx or torch")
-    if precision != "as-trained":
-        if kind == "onnx":
-            raise UsageError(f"bad value precision={precision!r}: reduced-precision serving runs on the torch "
-                             "runtime (--runtime torch or auto)")
-        from mlscale.registry import load_torch_model
-
-        return TorchRuntime(load_torch_model(registry, version), threads, datatype=PRECISIONS[precision])
-    if kind == "onnx" or (kind == "auto" and "model.onnx" in version.artifacts):
+    if precision != "as-trained" and kind == "onnx":
+        raise UsageError(f"bad value precision={precision!r}: reduced-precision serving runs on the torch "
+                         "runtime (--runtime torch or auto)")
+    if precision == "as-trained" and (kind == "onnx" or (kind == "auto" and "model.onnx" in version.artifacts)):
         if "model.onnx" not in version.artifacts:
             raise UsageError(f"{version.uri} has no ONNX artifact: run `mlscale export {version.uri}` first, "
                              "or serve with --runtime torch")
         return OnnxRuntime(str(registry.artifact_path(version, "model.onnx")), threads)
     from mlscale.registry import load_torch_model
 
-    return TorchRuntime(load_torch_model(registry, version), threads)
+    return TorchRuntime(load_torch_model(registry, version), threads, datatype=PRECISIONS.get(precision))

@@ -175,8 +175,9 @@ class Trainer:
         self.loader = None if self.shard is None else self._make_loader()
 
     def _make_loader(self) -> ShardLoader | StreamLoader:
-        """In-memory batches (``ShardLoader``), or the input pipeline when the task transforms samples or
-        ``--data-workers`` asks for worker processes; the same batches and positions either way."""
+        """In-memory batches (``ShardLoader``), or the input pipeline when the task transforms samples,
+        ``--data-workers`` asks for worker processes, or the data is Parquet (streamed by row group,
+        ``ParquetLoader``); for in-memory data the same batches and positions either way."""
         config, shard = self.config, self.shard
         assert shard is not None
         plain = dict(rank=shard, world=self.shards, batch_size=config.step_batch, seed=config.seed)
