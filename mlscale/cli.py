@@ -135,6 +135,13 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    help="flag a rank whose compute + data wait is X times the fastest rank's (default 1.5)")
     p.add_argument("--simulated-compute-ms", type=float, metavar="MS",
                    help="add MS of simulated compute to every step: benchmarks of the algorithms on few cores")
+    featured = p.add_argument_group("training from features")
+    featured.add_argument("--features", metavar="MODULE:SERVICE", help="train on this feature service's "
+                          "point-in-time training set (a declared feature repository module and a service in it; "
+                          "sets --task features)")
+    featured.add_argument("--entities", metavar="FILE", help="the entity rows: a Parquet file with the join keys, "
+                          "an event_timestamp and the label")
+    featured.add_argument("--label", metavar="COLUMN", help="the entity rows' label column (default label)")
     data = p.add_argument_group("input pipeline")
     data.add_argument("--data-workers", type=_workers, metavar="N|auto", help="DataLoader worker processes that "
                       "load (and transform) batches ahead of training (default 0: in the training process); auto: "
@@ -174,6 +181,11 @@ def _train(args: argparse.Namespace) -> int:
         "compile", "data_workers", "data_prefetch", "data_cache")}
     if args.task_opt:
         overrides["task_options"] = dict(args.task_opt)
+    if args.features or args.entities:  # the features task, with the retrieval's inputs as its options
+        featured = {"service": args.features, "entities": args.entities, "label": args.label}
+        overrides["task"] = "features"
+        overrides["task_options"] = {**overrides.get("task_options", {}),
+                                     **{k: v for k, v in featured.items() if v is not None}}
     config = build_config(args.config, **overrides)
     if args.register:  # the name is checked before training, not after it
         from mlscale.registry.uri import check_name

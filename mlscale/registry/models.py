@@ -83,7 +83,7 @@ def register_run(registry: Registry, run_dir: str | Path, name: str, *, descript
     metrics = {"eval": report.get("eval", {}), "final_loss": report.get("final_loss"),
                "samples_per_s": report.get("samples_per_s"), "steps": report.get("steps"),
                "samples_seen": report.get("samples_seen"), "world_size": report.get("world_size"),
-               "wall_s": report.get("wall_s")}
+               "wall_s": report.get("wall_s"), "features": report.get("features")}
     version = registry.create_version(
         name, {WEIGHTS: run.final_model_path}, config=config, metrics=metrics, signature=signature_of(config),
         source_run=str(run.path.resolve()), data_fingerprint=report.get("data_fingerprint"),

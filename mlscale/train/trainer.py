@@ -539,6 +539,7 @@ class Trainer:
             },
             "per_rank": per_rank,
             "data": self._data_report(),
+            "features": self.task.info.get("features"),  # trained on a feature service: its list and statistics
             "memory": memory,
             "stragglers": sorted(self.stragglers.first_flagged),
             "straggler_detection": self.stragglers.summary(),
