@@ -31,7 +31,6 @@ from mlscale.serve.metrics import ServerMetrics
 from mlscale.serve.models import ModelSlot, ServedModel
 from mlscale.serve.protocol import (
     BadRequest,
-    V2Request,
     parse_predict,
     parse_v2,
     split_body,
@@ -296,9 +295,10 @@ class InferenceFrontend:
         state = self.state
         body = await _read_body(scope, receive, state.max_body_bytes)
         header_length = _header(scope, HEADER_LENGTH)
-        # The memo holds JSON answers to plain JSON bodies; binary framing goes the canonical way.
-        key = raw_key(served.content_id, scope["path"], body) if state.cache.enabled and header_length is None \
-            else None
+        # The memo holds JSON answers to plain JSON bodies; binary framing goes the canonical way, and so
+        # does a model fed from features (a body naming entities means other values as the store moves on).
+        memo = state.cache.enabled and header_length is None and served.features is None
+        key = raw_key(served.content_id, scope["path"], body) if memo else None
         cached = state.cache.get(key) if key is not None else None
         if isinstance(cached, bytes):  # this exact body was answered before: no decoding, no encoding
             served.stats.cache["hit"].inc()
@@ -307,10 +307,12 @@ class InferenceFrontend:
             return Answer(cached)
         with bad_request_is_400(served):
             if predict:
-                request = V2Request(parse_predict(_decode(body), served.input))
+                request = parse_predict(_decode(body), served.input)
             else:
                 header, binary = split_body(body, header_length)
                 request = parse_v2(_decode(header), served.input, served.output, binary)
+            if request.array is None:
+                request.array = served.feature_vectors(request.entities)
         output, answered_by = await run_inference(state, served, request.array, request.parameters, start)
         raw = b""
         if predict:
@@ -318,6 +320,8 @@ class InferenceFrontend:
         else:
             answer, raw = v2_response(answered_by.name, answered_by.number, answered_by.output, output,
                                       request.request_id, binary=request.binary_output)
+        if request.return_features:
+            answer["parameters"] = {"features": served.features.names, "feature_vectors": request.array}
         payload = orjson.dumps(answer, option=orjson.OPT_SERIALIZE_NUMPY)
         if request.binary_output:
             return Answer(payload + raw, json_length=len(payload))

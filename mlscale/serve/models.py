@@ -18,6 +18,7 @@ from mlscale.registry import ModelVersion, Registry, parse_uri
 from mlscale.serve.batcher import DynamicBatcher
 from mlscale.serve.metrics import ServerMetrics
 from mlscale.serve.options import ServeOptions
+from mlscale.serve.protocol import BadRequest
 from mlscale.serve.runtime import Runtime, TensorSpec, load_runtime
 
 log = logging.getLogger("mlscale.serve")
@@ -52,6 +53,19 @@ class ServedModel:
                                       timeout_s=options.timeout_ms / 1e3,
                                       inline=options.exec_timeout_s is None)
         self.stats.loaded.set(1)
+        self.features = None  # a model trained from features: what turns entity keys into its input
+        if version.config.get("task") == "features":
+            from mlscale.serve.featured import FeatureInputs
+
+            self.features = FeatureInputs(version, options.online_store)
+
+    def feature_vectors(self, entities: Any) -> np.ndarray:
+        """The input tensor of a request that names entities (a BadRequest for any other model)."""
+        if self.features is None:
+            raise BadRequest(f"model {self.name} was not trained from features: send 'inputs', not 'entities'")
+        from mlscale.serve.featured import entity_rows
+
+        return self.features.vectors(entity_rows(entities))
 
     def warm_up(self) -> None:
         shape = [1 if d == -1 else d for d in self.input.shape]

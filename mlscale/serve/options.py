@@ -29,6 +29,8 @@ class ServeOptions(BaseModel):
                                  "requests that would miss it")
     timeout_ms: float = Field(10_000, gt=0, description="longest a request may wait in the queue (then 504)")
     runtime: Literal["auto", "onnx", "torch"] = "auto"
+    online_store: str | None = Field(None, description="where a model trained from features finds them: a "
+                                     "SQLite file or a redis:// URL (requests then name entities)")
     precision: Literal["as-trained", "fp16", "bf16"] = Field(
         "as-trained", description="the datatype the model computes in and its inputs and outputs have: as "
         "trained, or FP16 / BF16 (weights cast at load; the torch runtime)")

@@ -80,10 +80,12 @@ def check_shape(spec: TensorSpec, shape: Any) -> list[int]:
 
 @dataclass
 class V2Request:
-    array: np.ndarray
+    array: np.ndarray | None  # None: the request names entities, whose features make the tensor
     parameters: dict[str, Any] = field(default_factory=dict)  # what may change the answer (the cache's key)
     request_id: str | None = None
     binary_output: bool = False
+    entities: Any = None  # ``parameters.entities`` (a model trained from features)
+    return_features: bool = False
 
 
 _LENGTH = re.compile(rb"[0-9]{1,18}")
@@ -182,10 +184,21 @@ def _flag(parameters: Any, name: str) -> bool | None:
     return value
 
 
+def _request_id(body: dict[str, Any]) -> str | None:
+    request_id = body.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise BadRequest("'id' must be a string")
+    return request_id
+
+
 def parse_v2(body: Any, spec: TensorSpec, output: TensorSpec, binary: bytes = b"") -> V2Request:
     """An Open Inference Protocol infer request; ``binary``: the bytes after the JSON header."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
+    parameters = body.get("parameters") or {}
+    if isinstance(parameters, dict) and "entities" in parameters and not body.get("inputs"):
+        return V2Request(None, {}, _request_id(body), bool(_flag(parameters, "binary_data_output")),
+                         entities=parameters["entities"], return_features=bool(_flag(parameters, "return_features")))
     inputs = body.get("inputs")
     if not isinstance(inputs, list) or not all(isinstance(tensor, dict) for tensor in inputs):
         raise BadRequest(f"'inputs' must be a list with one tensor, '{spec.name}'")
@@ -203,9 +216,7 @@ def parse_v2(body: Any, spec: TensorSpec, output: TensorSpec, binary: bytes = b"
         for wanted in requested:
             choice = _flag(wanted.get("parameters") or {}, "binary_data")
             binary_output = binary_output if choice is None else choice
-    request_id = body.get("id")
-    if request_id is not None and not isinstance(request_id, str):
-        raise BadRequest("'id' must be a string")
+    request_id = _request_id(body)
     tensor_parameters = tensor.get("parameters") or {}
     if not isinstance(tensor_parameters, dict):
         raise BadRequest(f"the 'parameters' of input '{spec.name}' must be an object")
@@ -225,8 +236,10 @@ def parse_v2(body: Any, spec: TensorSpec, output: TensorSpec, binary: bytes = b"
     return V2Request(array, answer_parameters(parameters), request_id, binary_output)
 
 
-def parse_predict(body: Any, spec: TensorSpec) -> np.ndarray:
-    """``{"inputs": [[...], [...]]}`` (rows) or ``{"inputs": [...]}`` (one row)."""
+def parse_predict(body: Any, spec: TensorSpec) -> V2Request:
+    """``{"inputs": [[...], [...]]}`` (rows), ``{"inputs": [...]}`` (one row) or ``{"entities": [...]}``."""
+    if isinstance(body, dict) and "entities" in body and "inputs" not in body:
+        return V2Request(None, entities=body["entities"], return_features=body.get("return_features") is True)
     if not isinstance(body, dict) or "inputs" not in body:
         raise BadRequest('the body must be {"inputs": [[...], ...]}')
     rows = body["inputs"]
@@ -235,7 +248,7 @@ def parse_predict(body: Any, spec: TensorSpec) -> np.ndarray:
     if not isinstance(rows, list) or not rows:
         raise BadRequest("'inputs' must be a non-empty list of rows")
     row_shape = list(spec.shape[1:])
-    return as_array(rows, spec, check_shape(spec, [len(rows), *row_shape]))
+    return V2Request(as_array(rows, spec, check_shape(spec, [len(rows), *row_shape])))
 
 
 def output_datatype(array: np.ndarray, output: TensorSpec) -> str:

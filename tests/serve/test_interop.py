@@ -339,3 +339,11 @@ def test_the_grpc_port_must_not_be_the_http_port():
 
     with pytest.raises(ValidationError, match="is the HTTP port"):
         ServeOptions(port=9000, grpc_port=9000)
+
+
+def test_a_model_not_trained_from_features_refuses_entities(server):
+    base, _ = server
+    answer = httpx.post(f"{base}/predict", json={"entities": [{"user_id": 1}]})
+    assert answer.status_code == 400 and "not trained from features" in answer.json()["error"]
+    answer = httpx.post(f"{base}/v2/models/digits/infer", json={"parameters": {"entities": "nope"}})
+    assert answer.status_code == 400 and "not trained from features" in answer.json()["error"]

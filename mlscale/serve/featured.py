@@ -1,0 +1,56 @@
+"""Serving a model trained from a feature service: a request names entities instead of sending a
+tensor, and the server builds the tensor the way training did.
+
+``{"parameters": {"entities": [{"user_id": 7}, ...]}}`` on ``/v2/models/NAME/infer`` (no
+``inputs``), or ``{"entities": [...]}`` on ``/predict``: the service's features are looked up in the
+online store by entity key (TTL at the request's time), the on-demand transformations run (the same
+functions as at training), a missing value becomes 0 and the vector float32, as the ``features`` task
+made it. ``"return_features": true`` in the parameters adds the vectors used to the answer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from mlscale.errors import UsageError
+from mlscale.registry import ModelVersion
+from mlscale.serve.protocol import MAX_ROWS, BadRequest
+
+
+class FeatureInputs:
+    """The feature vectors of entity rows, for one model version trained from features."""
+
+    def __init__(self, version: ModelVersion, store_location: str | None) -> None:
+        from mlscale.features import load_service
+        from mlscale.features.definitions import feature_column
+        from mlscale.features.online import online_store
+
+        options = version.config.get("task_options") or {}
+        if store_location is None:
+            raise UsageError(f"{version.uri} was trained from features ({options.get('service')}): give the online "
+                             "store it reads them from with --online-store (a SQLite file or redis:// URL)")
+        self.repository, self.service = load_service(str(options.get("service")))
+        self.store = online_store(store_location)
+        self.names = [reference.partition(":")[2] for reference in self.service.references()]
+        self._column = feature_column
+
+    def vectors(self, entity_rows: list[dict[str, Any]]) -> np.ndarray:
+        from mlscale.features.online import get_online_features
+
+        try:
+            columns = get_online_features(self.repository, self.store, self.service, entity_rows)
+        except UsageError as exc:  # an entity row without a join key: the client's mistake
+            raise BadRequest(str(exc)) from None
+        values = np.stack([self._column(columns[name], "float64") for name in self.names], axis=1)
+        return np.nan_to_num(values, nan=0.0).astype(np.float32)
+
+
+def entity_rows(value: Any) -> list[dict[str, Any]]:
+    """The request's entities: a non-empty list of objects of join keys."""
+    if not isinstance(value, list) or not value or not all(isinstance(row, dict) for row in value):
+        raise BadRequest("'entities' must be a non-empty list of objects of entity keys, like [{\"user_id\": 7}]")
+    if len(value) > MAX_ROWS:
+        raise BadRequest(f"'entities' holds {len(value)} rows; at most {MAX_ROWS}")
+    return value

@@ -1,0 +1,65 @@
+"""Serving a model trained from features: a request names entities, the server looks their features up
+in the online store and builds the same vector as training did, bit for bit."""
+
+from __future__ import annotations
+
+import importlib
+from datetime import datetime, timedelta, timezone
+
+import httpx
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+import tests.feature_repo as repo_module
+from mlscale.features import get_historical_features, load_service
+from mlscale.features.online import SQLiteStore, materialize
+from tests.helpers import run_cli
+from tests.serve.conftest import running_server
+
+
+def test_served_feature_vectors_equal_the_training_vectors_bit_for_bit(tmp_path, monkeypatch):
+    now = datetime.now(timezone.utc).replace(tzinfo=None)
+    rng = np.random.default_rng(11)
+    users = range(50)
+    pq.write_table(pa.Table.from_pylist([
+        {"user_id": u, "event_timestamp": now - timedelta(minutes=int(m)), "spend": float(s), "visits": float(v)}
+        for u in users for m, s, v in zip(rng.integers(10, 1400, 2), rng.gamma(2, 10, 2), rng.integers(0, 5, 2))]),
+        tmp_path / "activity.parquet")
+    pq.write_table(pa.Table.from_pylist([{"user_id": u, "event_timestamp": now - timedelta(days=30),
+                                          "age": float(20 + u)} for u in users]), tmp_path / "profile.parquet")
+    monkeypatch.setenv("MLSCALE_TEST_FEATURE_DATA", str(tmp_path))
+    importlib.reload(repo_module)
+    entities = pa.Table.from_pylist([{"user_id": int(u), "event_timestamp": now - timedelta(minutes=int(m)),
+                                      "label": int(u % 2)} for u, m in zip(rng.integers(0, 50, 200),
+                                                                            rng.integers(0, 600, 200))])
+    pq.write_table(entities, tmp_path / "entities.parquet")
+    registry = str(tmp_path / "registry")
+    trained = run_cli("train", "--features", "tests.feature_repo:model", "--entities",
+                      str(tmp_path / "entities.parquet"), "--steps", "5", "--run-dir", str(tmp_path / "run"),
+                      "--no-progress", "--register", "churn", "--registry", registry, timeout=240)
+    assert trained.returncode == 0, trained.stderr
+    repository, service = load_service("tests.feature_repo:model")
+    store = tmp_path / "online.db"
+    materialize(repository, SQLiteStore(store), end_date=now)
+    asked = [{"user_id": u} for u in (3, 17, 42, 999)]  # 999: unknown, its features missing
+    with running_server(registry, "models:/churn/1", "--online-store", str(store), "--runtime", "torch",
+                        "--cache-mb", "0") as (base, _):
+        answer = httpx.post(f"{base}/v2/models/churn/infer",
+                            json={"parameters": {"entities": asked, "return_features": True}}).json()
+        served = np.asarray(answer["parameters"]["feature_vectors"], dtype=np.float32)
+        assert answer["parameters"]["features"] == ["spend", "visits", "age", "spend_per_visit"]
+        assert answer["outputs"][0]["shape"] == [4, 2]
+        predicted = httpx.post(f"{base}/predict", json={"entities": asked[:1]}).json()
+        assert len(predicted["outputs"]) == 1
+        missing_key = httpx.post(f"{base}/predict", json={"entities": [{"account": 1}]})
+        assert missing_key.status_code == 400 and "user_id" in missing_key.json()["error"]
+    rows = pa.Table.from_pylist([{"user_id": r["user_id"], "event_timestamp": datetime.now(timezone.utc)
+                                  .replace(tzinfo=None)} for r in asked])
+    training = get_historical_features(repository, rows, service)
+    names = ["spend", "visits", "age", "spend_per_visit"]
+    expected = np.nan_to_num(np.stack([np.asarray(training.column(n).to_numpy(zero_copy_only=False),
+                                                  dtype=np.float64) for n in names], axis=1)).astype(np.float32)
+    assert served.tobytes() == expected.tobytes()  # bit for bit
+    assert not served[3].any()  # the unknown entity: every feature missing, fed as 0
+
