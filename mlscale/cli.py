@@ -9,6 +9,7 @@ import argparse
 import sys
 from typing import Any
 
+from mlscale.cli_features import add_features
 from mlscale.cli_models import add_export, add_models, add_registry_option
 from mlscale.cli_parsers import LazyParser
 from mlscale.cli_serve import add_serve
@@ -299,6 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_models(sub)
     add_export(sub)
     add_serve(sub)
+    add_features(sub)
     _add_bench(sub)
     return parser
 

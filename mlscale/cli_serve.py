@@ -11,7 +11,8 @@ from mlscale.cli_models import add_registry_option
 _FLAGS = {"--host": str, "--port": int, "--grpc-port": int, "--max-batch-size": int, "--max-delay-ms": float,
           "--slo-ms": float, "--cache-mb": float, "--queue-limit": int, "--timeout-ms": float, "--threads": int,
           "--max-body-mb": float, "--reload-interval-s": float, "--drain-delay-s": float,
-          "--exec-timeout-s": float, "--online-store": str}
+          "--exec-timeout-s": float, "--online-store": str,
+          "--feature-log": str}
 
 
 def _field_help(name: str) -> str:

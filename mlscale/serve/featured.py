@@ -10,6 +10,7 @@ made it. ``"return_features": true`` in the parameters adds the vectors used to 
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -22,19 +23,24 @@ from mlscale.serve.protocol import MAX_ROWS, BadRequest
 class FeatureInputs:
     """The feature vectors of entity rows, for one model version trained from features."""
 
-    def __init__(self, version: ModelVersion, store_location: str | None) -> None:
+    def __init__(self, version: ModelVersion, store_location: str | None, log_location: str | None = None) -> None:
         from mlscale.features import load_service
         from mlscale.features.definitions import feature_column
         from mlscale.features.online import online_store
+        from mlscale.features.skew import FeatureLog, FeatureSkew
 
         options = version.config.get("task_options") or {}
         if store_location is None:
             raise UsageError(f"{version.uri} was trained from features ({options.get('service')}): give the online "
                              "store it reads them from with --online-store (a SQLite file or redis:// URL)")
+        self.version = version
         self.repository, self.service = load_service(str(options.get("service")))
         self.store = online_store(store_location)
         self.names = [reference.partition(":")[2] for reference in self.service.references()]
         self._column = feature_column
+        trained = (version.metrics.get("features") or {}).get("statistics") or {}
+        self.skew = FeatureSkew(trained)  # what /metrics shows, against the training statistics
+        self.log = FeatureLog(log_location) if log_location else None
 
     def vectors(self, entity_rows: list[dict[str, Any]]) -> np.ndarray:
         from mlscale.features.online import get_online_features
@@ -44,6 +50,9 @@ class FeatureInputs:
         except UsageError as exc:  # an entity row without a join key: the client's mistake
             raise BadRequest(str(exc)) from None
         values = np.stack([self._column(columns[name], "float64") for name in self.names], axis=1)
+        self.skew.observe(self.names, values)  # the values as served, missing ones not binned (as at training)
+        if self.log is not None:
+            self.log.append(self.version.name, self.version.version, time.time(), values)
         return np.nan_to_num(values, nan=0.0).astype(np.float32)
 
 

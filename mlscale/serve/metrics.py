@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -106,6 +107,7 @@ class ModelStats:
         self.last_inference_ms = 0  # wall clock of the last model execution (the statistics extension's)
         # per request, as Triton counts compute: each request of a batch, with its batch's duration
         self.compute_requests, self.compute_request_seconds = Counter(), Counter()
+        self.feature_skew: Any = None  # a model served from features: its FeatureSkew
 
     def failure(self, reason: str) -> None:
         counter = self.failures.get(reason)
@@ -152,6 +154,13 @@ class ServerMetrics:
             for stats in models:
                 family.add_metric(stats.labels, series(stats).value)
             yield family
+        skew = GaugeMetricFamily("mlscale_feature_skew", "Distance of the served feature values from the training "
+                                 "distribution (Jensen-Shannon, numeric; L-infinity, categorical)",
+                                 labels=[*LABELS, "feature"])
+        for stats in models:
+            for row in stats.feature_skew.report() if stats.feature_skew is not None else ():
+                skew.add_metric([*stats.labels, row["feature"]], row["distance"])
+        yield skew
         if self.cache is not None:
             yield GaugeMetricFamily("mlscale_cache_bytes", "Bytes held by the response cache (values, keys and "
                                     "per-entry overhead)", value=self.cache.bytes)

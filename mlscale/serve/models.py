@@ -57,7 +57,8 @@ class ServedModel:
         if version.config.get("task") == "features":
             from mlscale.serve.featured import FeatureInputs
 
-            self.features = FeatureInputs(version, options.online_store)
+            self.features = FeatureInputs(version, options.online_store, options.feature_log)
+            self.stats.feature_skew = self.features.skew
 
     def feature_vectors(self, entities: Any) -> np.ndarray:
         """The input tensor of a request that names entities (a BadRequest for any other model)."""

@@ -31,6 +31,8 @@ class ServeOptions(BaseModel):
     runtime: Literal["auto", "onnx", "torch"] = "auto"
     online_store: str | None = Field(None, description="where a model trained from features finds them: a "
                                      "SQLite file or a redis:// URL (requests then name entities)")
+    feature_log: str | None = Field(None, description="a SQLite file the served feature vectors are written to, "
+                                    "for `mlscale features skew`")
     precision: Literal["as-trained", "fp16", "bf16"] = Field(
         "as-trained", description="the datatype the model computes in and its inputs and outputs have: as "
         "trained, or FP16 / BF16 (weights cast at load; the torch runtime)")

@@ -4,12 +4,14 @@ in the online store and builds the same vector as training did, bit for bit."""
 from __future__ import annotations
 
 import importlib
+import json
 from datetime import datetime, timedelta, timezone
 
 import httpx
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 import tests.feature_repo as repo_module
 from mlscale.features import get_historical_features, load_service
@@ -18,7 +20,9 @@ from tests.helpers import run_cli
 from tests.serve.conftest import running_server
 
 
-def test_served_feature_vectors_equal_the_training_vectors_bit_for_bit(tmp_path, monkeypatch):
+@pytest.fixture
+def trained(tmp_path, monkeypatch):
+    """A model trained with --features on recent data, and a materialized SQLite online store."""
     now = datetime.now(timezone.utc).replace(tzinfo=None)
     rng = np.random.default_rng(11)
     users = range(50)
@@ -42,6 +46,11 @@ def test_served_feature_vectors_equal_the_training_vectors_bit_for_bit(tmp_path,
     repository, service = load_service("tests.feature_repo:model")
     store = tmp_path / "online.db"
     materialize(repository, SQLiteStore(store), end_date=now)
+    return registry, repository, service, store
+
+
+def test_served_feature_vectors_equal_the_training_vectors_bit_for_bit(trained):
+    registry, repository, service, store = trained
     asked = [{"user_id": u} for u in (3, 17, 42, 999)]  # 999: unknown, its features missing
     with running_server(registry, "models:/churn/1", "--online-store", str(store), "--runtime", "torch",
                         "--cache-mb", "0") as (base, _):
@@ -63,3 +72,27 @@ def test_served_feature_vectors_equal_the_training_vectors_bit_for_bit(tmp_path,
     assert served.tobytes() == expected.tobytes()  # bit for bit
     assert not served[3].any()  # the unknown entity: every feature missing, fed as 0
 
+
+
+def test_the_server_measures_skew_and_the_cli_gates_on_it(trained, tmp_path):
+    registry, _, _, store = trained
+    log = tmp_path / "feature-log.db"
+    with running_server(registry, "models:/churn/1", "--online-store", str(store), "--runtime", "torch",
+                        "--cache-mb", "0", "--feature-log", str(log)) as (base, _):
+        for user in range(0, 50, 10):
+            httpx.post(f"{base}/predict", json={"entities": [{"user_id": u} for u in range(user, user + 10)]})
+        gauges = [line for line in httpx.get(f"{base}/metrics").text.splitlines()
+                  if line.startswith("mlscale_feature_skew{")]
+        assert {line.split('feature="')[1].split('"')[0] for line in gauges} == {"spend", "visits", "age",
+                                                                                  "spend_per_visit"}
+        shifted = [((u,), (record[0], {**record[1], "spend": record[1]["spend"] * 50}))
+                   for u in range(50) if (record := SQLiteStore(store).read("activity", [(u,)])[0]) is not None]
+        SQLiteStore(store).write("activity", shifted)  # the pipeline upstream broke: spend 50x
+        for _ in range(6):
+            httpx.post(f"{base}/predict", json={"entities": [{"user_id": u} for u in range(50)]})
+    report = run_cli("features", "skew", "models:/churn/1", "--log", str(log), "--registry", registry, "--json")
+    assert report.returncode == 1, report.stderr  # past the threshold: a pipeline stops here
+    rows = {row["feature"]: row for row in json.loads(report.stdout)["features"]}
+    assert rows["spend"]["skewed"] and rows["spend_per_visit"]["skewed"] and not rows["age"]["skewed"]
+    table = run_cli("features", "skew", "models:/churn/1", "--log", str(log), "--registry", registry)
+    assert "SKEWED" in table.stdout and "spend" in table.stdout
