@@ -160,6 +160,7 @@ def _lineage(version: Any) -> str:
         ("training", f"{config['strategy']}, {config['workers']} worker(s), batch {config['batch_size']}/worker, "
                      f"lr {config['lr']}, seed {config['seed']}, {config['dtype']}, {config['precision']}"),
         ("metrics", _metric_text(version.metrics) or "-"),
+        ("features", _features_text(version.metrics.get("features"))),
         ("data", version.data_fingerprint or "-"),
         ("code", f"mlscale {code.get('mlscale', '?')}"
                  + (f", git {git[:12]}{' (with local changes)' if code.get('git_dirty') else ''}" if git else "")),
@@ -168,6 +169,13 @@ def _lineage(version: Any) -> str:
         ("tags", ", ".join(f"{k}={v}" for k, v in version.tags.items()) or "-"),
     ]
     return pairs(rows)
+
+
+def _features_text(features: dict[str, Any] | None) -> str:
+    if not features:
+        return "-"
+    return (f"{features['service']}: {', '.join(features['features'])} (training statistics of "
+            f"{features['training_rows']:,} rows)")
 
 
 def _source_run_text(version: Any) -> str:
