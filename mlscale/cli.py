@@ -271,6 +271,7 @@ BENCHMARKS = {
     "checkpoint": ("mlscale.bench.checkpoint", "training stall of checkpointing, blocking vs async"),
     "export": ("mlscale.bench.export", "inference latency, onnxruntime vs eager torch, digits models"),
     "serve": ("mlscale.bench.serve", "serving goodput at an SLO vs LitServe, FastAPI and offline"),
+    "features": ("mlscale.bench.features", "point-in-time retrieval vs pandas merge_asof; SQLite and Redis lookups"),
 }
 
 
