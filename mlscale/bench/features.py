@@ -131,6 +131,84 @@ def _lookups(repository: Any, folder: Path, args: argparse.Namespace) -> dict[st
     return results
 
 
+REPO_MODULE = """
+from datetime import timedelta
+from mlscale.features import (Entity, FeatureRepository, FeatureService, FeatureView, Field, FileSource,
+                              declare_repository)
+
+entity = Entity("entity", join_keys=["key"])
+views = [FeatureView(name, [entity], [Field(f"f{index}")], FileSource(f"{FOLDER}/{name}.parquet"), ttl=ttl)
+         for index, (name, ttl) in enumerate([("activity", timedelta(days=7)), ("profile", None), ("risk", None)])]
+declare_repository(FeatureRepository([entity], views, [FeatureService("model", views)]))
+"""
+
+
+def _served_latency(folder: Path, args: argparse.Namespace, requests: int = 1000) -> dict[str, Any]:
+    """p50/p99 of one-row requests to one server: naming an entity (features looked up in SQLite) vs
+    sending the tensor; sequential, alternating, on a model trained with --features."""
+    import os
+    import subprocess
+
+    import httpx
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from mlscale.bench.serve import _free_port, _pin_server
+    from mlscale.config import TrainConfig
+    from mlscale.features import load_service
+    from mlscale.features.online import SQLiteStore, materialize
+    from mlscale.registry import Registry, register_run
+    from mlscale.train.launcher import fit
+
+    (folder / "bench_feature_repo.py").write_text(f"FOLDER = {str(folder)!r}\n" + REPO_MODULE)
+    sys.path.insert(0, str(folder))
+    rng = np.random.default_rng(2)
+    labels = pa.table({"key": rng.integers(0, args.keys, 2000), "label": rng.integers(0, 2, 2000),
+                       "event_timestamp": np.full(2000, np.datetime64(T0 + timedelta(days=30), "us"))})
+    pq.write_table(labels, folder / "labels.parquet")
+    fit(TrainConfig(task="features", task_options={"service": "bench_feature_repo:model",
+                                                   "entities": str(folder / "labels.parquet")},
+                    steps=5, progress=False, run_dir=str(folder / "run")))
+    registry = str(folder / "registry")
+    register_run(Registry(registry), folder / "run", "featured")
+    repository, _ = load_service("bench_feature_repo:model")
+    materialize(repository, SQLiteStore(folder / "serve-online.db"), end_date=T0 + timedelta(days=31))
+    port = _free_port()
+    env = {**os.environ, "PYTHONPATH": str(folder), "OMP_NUM_THREADS": "1"}
+    server = subprocess.Popen([sys.executable, "-m", "mlscale", "serve", "models:/featured/1", "--registry", registry,
+                               "--port", str(port), "--no-grpc", "--runtime", "torch", "--cache-mb", "0",
+                               "--online-store", str(folder / "serve-online.db")],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=_pin_server)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        with httpx.Client(timeout=10) as client:
+            deadline = time.time() + 60
+            while time.time() < deadline:
+                try:
+                    if client.get(f"{base}/v2/health/ready").status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                time.sleep(0.2)
+            bodies = {"features": lambda k: {"entities": [{"key": int(k)}]},
+                      "tensor": lambda k: {"inputs": [[float(k % 7), 0.5, -1.0]]}}
+            latencies: dict[str, list[float]] = {name: [] for name in bodies}
+            for index, key in enumerate(rng.integers(0, args.keys, requests + 50)):
+                for name, body in bodies.items():
+                    start = time.perf_counter()
+                    answer = client.post(f"{base}/predict", json=body(key))
+                    if answer.status_code != 200:
+                        raise RuntimeError(f"{name} request failed: {answer.text}")
+                    if index >= 50:
+                        latencies[name].append((time.perf_counter() - start) * 1e3)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        sys.path.remove(str(folder))
+    return {name: {"p50_ms": float(np.percentile(v, 50)), "p99_ms": float(np.percentile(v, 99)), "requests": len(v)}
+            for name, v in latencies.items()}
+
+
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="mlscale-bench-features-") as tmp:
         folder = Path(tmp)
@@ -149,6 +227,9 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 print(f"repeat {repeat + 1}/{args.repeats}  {name:<8} {seconds:.2f} s", file=sys.stderr, flush=True)
             same = same and _same(answers["mlscale"], answers["pandas"])
         lookups = _lookups(repository, folder, args)
+        served = _served_latency(folder, args)
+        print(f"  served p50: with features {served['features']['p50_ms']:.3f} ms, with the tensor "
+              f"{served['tensor']['p50_ms']:.3f} ms", file=sys.stderr, flush=True)
     medians = {name: statistics.median(values) for name, values in times.items()}
     return {
         "benchmark": "features: point-in-time historical retrieval (mlscale on DuckDB vs pandas merge_asof) and "
@@ -167,6 +248,10 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "same_result": same,
         "entity_rows_per_s": args.entity_rows / medians["mlscale"],
         "lookups": lookups,
+        "served_latency": served,
+        "served_how": "one mlscale serve pinned to CPU 0 (torch runtime, cache off), httpx client on the other core, "
+                      "sequential one-row /predict requests alternating: an entity key (3 views looked up in SQLite) "
+                      "vs the tensor itself; 1,000 of each after 50 warm-up",
     }
 
 
