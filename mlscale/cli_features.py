@@ -35,7 +35,8 @@ def add_features(sub: argparse._SubParsersAction) -> None:
     skew.add_argument("--log", required=True, metavar="FILE", help="the server's --feature-log file")
     skew.add_argument("--since", type=_duration, metavar="DURATION", help="only vectors served in the last "
                       "DURATION (30m, 6h, 2d; default: all)")
-    skew.add_argument("--threshold", type=float, default=None, help="one threshold for every feature (default 0.1)")
+    skew.add_argument("--threshold", type=float, default=None, help="one threshold for every feature (default: each "
+                      "feature's skew_threshold, else 0.1)")
     skew.add_argument("--json", action="store_true", help="print JSON for scripts")
     add_registry_option(skew)
     skew.set_defaults(handler=_skew)
@@ -44,7 +45,7 @@ def add_features(sub: argparse._SubParsersAction) -> None:
 def _skew(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from mlscale.features.skew import DEFAULT_THRESHOLD, FeatureLog, FeatureSkew
+    from mlscale.features.skew import FeatureLog, FeatureSkew
     from mlscale.registry import Registry
 
     version = Registry(args.registry, create=False).resolve(args.uri)
@@ -55,8 +56,8 @@ def _skew(args: argparse.Namespace) -> int:
         raise UsageError(f"bad value log={args.log!r}: no such file (the server writes it with --feature-log)")
     since = time.time() - args.since if args.since else 0.0
     vectors = FeatureLog(args.log).vectors(version.name, version.version, since)
-    threshold = DEFAULT_THRESHOLD if args.threshold is None else args.threshold
-    skew = FeatureSkew(trained["statistics"], thresholds={name: threshold for name in trained["features"]})
+    thresholds = {} if args.threshold is None else {name: args.threshold for name in trained["features"]}
+    skew = FeatureSkew(trained["statistics"], thresholds=thresholds)
     if len(vectors):
         skew.observe(trained["features"], vectors)
     rows = skew.report()

@@ -21,7 +21,7 @@ DATA = os.environ.get("MLSCALE_TEST_FEATURE_DATA", "/nonexistent")
 user = Entity("user", join_keys=["user_id"])
 activity = FeatureView("activity", [user], [Field("spend"), Field("visits")],
                        FileSource(f"{DATA}/activity.parquet"), ttl=timedelta(days=2))
-profile = FeatureView("profile", [user], [Field("age")], FileSource(f"{DATA}/profile.parquet"))
+profile = FeatureView("profile", [user], [Field("age", skew_threshold=0.3)], FileSource(f"{DATA}/profile.parquet"))
 
 
 @on_demand_feature_view(sources=[activity], schema=[Field("spend_per_visit")])

@@ -34,8 +34,12 @@ class Entity:
 
 @dataclass(frozen=True)
 class Field:
+    """A feature: its name, dtype and, optionally, the skew past which serving alarms for it (the
+    Jensen-Shannon divergence or L-infinity distance from its training distribution; default 0.1)."""
+
     name: str
     dtype: str = "float64"
+    skew_threshold: float | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -96,6 +100,9 @@ class FeatureView:
     def dtype(self, feature: str) -> str:
         return next(f.dtype for f in self.schema if f.name == feature)
 
+    def field(self, feature: str) -> Field:
+        return next(f for f in self.schema if f.name == feature)
+
 
 @dataclass(frozen=True)
 class OnDemandFeatureView:
@@ -110,6 +117,9 @@ class OnDemandFeatureView:
     @property
     def features(self) -> tuple[str, ...]:
         return tuple(f.name for f in self.schema)
+
+    def field(self, feature: str) -> Field:
+        return next(f for f in self.schema if f.name == feature)
 
     def inputs(self, values: Callable[[FeatureView, str], Sequence[object]]) -> Columns:
         """The columns the function takes, from ``values(view, feature)`` of each source feature."""
@@ -143,6 +153,9 @@ class FeatureService:
 
     def references(self) -> list[str]:
         return [f"{view.name}:{feature}" for view in self.features for feature in view.features]
+
+    def fields(self) -> list[Field]:
+        return [view.field(feature) for view in self.features for feature in view.features]
 
 
 @dataclass

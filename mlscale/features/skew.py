@@ -53,6 +53,8 @@ class FeatureSkew:
 
     def __post_init__(self) -> None:
         for name, stats in self.statistics.items():
+            if "skew_threshold" in stats:  # declared on the feature's Field; an explicit threshold wins
+                self.thresholds.setdefault(name, stats["skew_threshold"])
             if stats.get("kind") == "numeric" and "edges" in stats:
                 self.counts[name] = np.zeros(len(stats["counts"]), dtype=np.int64)
             elif stats.get("kind") == "categorical":

@@ -62,6 +62,9 @@ def make_features(service: str = "", entities: str = "", label: str = "label", t
         raise UsageError(f"bad value entities={entities!r}: {len(order)} row(s) leave nothing to train on")
     train_rows, eval_rows = order[:-held], order[-held:]
     statistics = {name: numeric_statistics(values[train_rows, i]) for i, name in enumerate(names)}
+    for field in feature_service.fields():  # the alarm levels declared with the features travel with them
+        if field.skew_threshold is not None:
+            statistics[field.name]["skew_threshold"] = field.skew_threshold
     inputs = torch.from_numpy(np.nan_to_num(values, nan=0.0)).float()
     labels = table.column(label).to_numpy(zero_copy_only=False)
     classify = np.issubdtype(labels.dtype, np.integer)

@@ -35,6 +35,18 @@ def test_no_false_alarm_over_20_seeds_at_the_default_threshold():
     assert max(row["distance"] for row in rows) < 0.05
 
 
+def test_a_threshold_declared_on_the_field_applies_and_an_explicit_one_wins():
+    rng = np.random.default_rng(4)
+    statistics = {"x": {**numeric_statistics(rng.normal(0, 1, 2000)), "skew_threshold": 0.9}}
+    served = rng.normal(1, 1, (500, 1))
+    declared = FeatureSkew(statistics)
+    declared.observe(["x"], served)
+    assert declared.report()[0]["threshold"] == 0.9 and not declared.report()[0]["skewed"]
+    explicit = FeatureSkew(statistics, thresholds={"x": 0.1})
+    explicit.observe(["x"], served)
+    assert explicit.report()[0]["skewed"]
+
+
 def test_too_few_samples_decide_nothing_and_missing_values_are_not_binned():
     row = _skew(seed=1, shift=3.0, served=50)
     assert row["skewed"] is None and row["samples"] == 50

@@ -64,6 +64,7 @@ def test_training_from_a_feature_service_records_its_features_and_statistics(fea
     spend = features["statistics"]["spend"]
     assert spend["kind"] == "numeric" and 0 <= spend["null_fraction"] < 1 and sum(spend["counts"]) > 0
     assert spend["mean"] == pytest.approx(training_spend_mean, rel=1e-12)  # over the earliest 80%, by time
+    assert features["statistics"]["age"]["skew_threshold"] == 0.3 and "skew_threshold" not in spend  # declared
     assert report["eval"]["accuracy"] > 0.8  # learnt from the retrieved features
     version = Registry(str(tmp_path / "registry")).resolve("models:/churn/1")
     assert version.metrics["features"] == features  # in the registered version's lineage
