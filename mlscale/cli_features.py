@@ -55,11 +55,10 @@ def _skew(args: argparse.Namespace) -> int:
     if not Path(args.log).exists():
         raise UsageError(f"bad value log={args.log!r}: no such file (the server writes it with --feature-log)")
     since = time.time() - args.since if args.since else 0.0
-    vectors = FeatureLog(args.log).vectors(version.name, version.version, since)
+    served = FeatureLog(args.log).columns(version.name, version.version, trained["features"], since)
     thresholds = {} if args.threshold is None else {name: args.threshold for name in trained["features"]}
     skew = FeatureSkew(trained["statistics"], thresholds=thresholds)
-    if len(vectors):
-        skew.observe(trained["features"], vectors)
+    skew.observe(served)
     rows = skew.report()
     if args.json:
         print(json.dumps({"model_uri": version.uri, "samples": skew.seen, "features": rows}, indent=2))

@@ -29,5 +29,7 @@ def per_visit(columns):
     return {"spend_per_visit": columns["spend"] / (columns["visits"] + 1.0)}
 
 
+plan = FeatureView("plan", [user], [Field("tier", "string")], FileSource(f"{DATA}/plan.parquet"))
 model = FeatureService("model", [activity, profile, per_visit])
-declare_repository(FeatureRepository([user], [activity, profile, per_visit], [model]))
+with_tier = FeatureService("with_tier", [activity, plan])
+declare_repository(FeatureRepository([user], [activity, profile, per_visit, plan], [model, with_tier]))

@@ -16,14 +16,15 @@ function that serving calls.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from mlscale.errors import UsageError
+from mlscale.errors import UsageError, first_line
 from mlscale.features.definitions import FeatureRepository, FeatureService, FeatureView
 
 ROW = "__mlscale_row"
@@ -77,6 +78,17 @@ def _view_sql(view: FeatureView, wanted: Sequence[str], names: dict[str, str]) -
             f"ON {on} AND e.__t >= f.__t")
 
 
+@contextmanager
+def source_errors(view: FeatureView) -> Iterator[None]:
+    """A source DuckDB cannot read (no files, a missing column) is one line naming the view."""
+    duckdb = _duckdb()
+    try:
+        yield
+    except (duckdb.IOException, duckdb.BinderException, duckdb.InvalidInputException) as exc:
+        raise UsageError(f"feature view {view.name!r}: cannot read its source {view.source.path!r}: "
+                         f"{first_line(exc)}") from None
+
+
 def get_historical_features(repository: FeatureRepository, entity_rows: Any,
                             features: Sequence[str] | FeatureService, *, timestamp_field: str = "event_timestamp",
                             full_feature_names: bool = False) -> Any:
@@ -118,8 +130,8 @@ def get_historical_features(repository: FeatureRepository, entity_rows: Any,
     retrieved: dict[str, np.ndarray | Any] = {}
     for view, wanted in reads.values():
         columns = {c: f"{view.name}__{c}" for c in wanted}
-        result = con.sql(f"SELECT * FROM ({_view_sql(view, wanted, columns)}) ORDER BY {ROW}"
-                             ).to_arrow_table()
+        with source_errors(view):
+            result = con.sql(f"SELECT * FROM ({_view_sql(view, wanted, columns)}) ORDER BY {ROW}").to_arrow_table()
         for c in wanted:
             retrieved[f"{view.name}:{c}"] = result.column(columns[c])
     out = entities

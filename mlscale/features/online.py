@@ -20,7 +20,7 @@ import orjson
 
 from mlscale.errors import UsageError
 from mlscale.features.definitions import FeatureRepository, FeatureService, FeatureView
-from mlscale.features.offline import _duckdb, _quote
+from mlscale.features.offline import _duckdb, _quote, source_errors
 
 Key = tuple[Any, ...]
 Record = tuple[int, dict[str, Any]]  # (event time in microseconds since the epoch, values)
@@ -127,11 +127,12 @@ def materialize(repository: FeatureRepository, store: OnlineStore, end_date: dat
         path = str(source.path).replace("'", "''")
         ts = f"CAST({_quote(source.timestamp_field)} AS TIMESTAMP)"
         columns = ", ".join(_quote(c) for c in view.features)
-        rows = con.execute(
-            f"SELECT {keys}, epoch_us({ts}), {columns} FROM (SELECT *, row_number() OVER (PARTITION BY {keys} "
-            f"ORDER BY {ts} DESC, {order}filename DESC, file_row_number DESC) AS __rank FROM read_parquet('{path}', "
-            f"filename=true, file_row_number=true) WHERE {ts} <= ?) WHERE __rank = 1",
-            [end_date.replace(tzinfo=None) if end_date.tzinfo is None else end_date]).fetchall()
+        with source_errors(view):
+            rows = con.execute(
+                f"SELECT {keys}, epoch_us({ts}), {columns} FROM (SELECT *, row_number() OVER (PARTITION BY {keys} "
+                f"ORDER BY {ts} DESC, {order}filename DESC, file_row_number DESC) AS __rank "
+                f"FROM read_parquet('{path}', filename=true, file_row_number=true) WHERE {ts} <= ?) WHERE __rank = 1",
+                [end_date.replace(tzinfo=None) if end_date.tzinfo is None else end_date]).fetchall()
         width = len(view.join_keys)
         store.write(view.name, [(tuple(row[:width]), (row[width], dict(zip(view.features, row[width + 1:]))))
                                 for row in rows])

@@ -60,19 +60,22 @@ class FeatureSkew:
             elif stats.get("kind") == "categorical":
                 self.categories[name] = {}
 
-    def observe(self, names: Sequence[str], vectors: np.ndarray) -> None:
-        """Served feature vectors (rows), their columns named ``names``; a missing value (NaN) is not binned."""
-        for index, name in enumerate(names):
-            column = vectors[:, index]
+    def observe(self, columns: Mapping[str, Sequence[Any]]) -> None:
+        """Served values, a column per feature (one row per served vector); a missing value is not counted."""
+        rows = 0
+        for name, column in columns.items():
+            rows = len(column)
             if name in self.counts:
-                values = column[~np.isnan(column)].astype(np.float64)
+                values = np.array([np.nan if v is None else v for v in column], dtype=np.float64)
+                values = values[~np.isnan(values)]
                 edges = np.asarray(self.statistics[name]["edges"])
                 self.counts[name] += np.bincount(np.searchsorted(edges, values, side="right"),
                                                  minlength=len(self.counts[name]))
             elif name in self.categories:
-                for value in column.tolist():
-                    self.categories[name][str(value)] = self.categories[name].get(str(value), 0.0) + 1
-        self.seen += len(vectors)
+                for value in column:
+                    if value is not None:
+                        self.categories[name][str(value)] = self.categories[name].get(str(value), 0.0) + 1
+        self.seen += rows
 
     def distance(self, name: str) -> float:
         if name in self.counts:
@@ -104,16 +107,20 @@ class FeatureLog:
             self.connection.execute("CREATE TABLE IF NOT EXISTS served (model TEXT, version INTEGER, at REAL, "
                                     "vector TEXT)")
 
-    def append(self, model: str, version: int, at: float, vectors: np.ndarray) -> None:
+    def append(self, model: str, version: int, at: float, columns: Mapping[str, Sequence[Any]]) -> None:
+        """One row per served vector: its values (None for a missing one), JSON, by feature name."""
         import orjson
 
+        names = list(columns)
+        rows = zip(*(columns[n] for n in names))
         with self.connection:
-            self.connection.executemany("INSERT INTO served VALUES (?, ?, ?, ?)",
-                                        [(model, version, at, orjson.dumps(row.tolist()).decode()) for row in vectors])
+            self.connection.executemany("INSERT INTO served VALUES (?, ?, ?, ?)", [
+                (model, version, at, orjson.dumps(dict(zip(names, row)), option=orjson.OPT_SERIALIZE_NUMPY).decode())
+                for row in rows])
 
-    def vectors(self, model: str, version: int, since: float = 0.0) -> np.ndarray:
+    def columns(self, model: str, version: int, names: Sequence[str], since: float = 0.0) -> dict[str, list[Any]]:
         import orjson
 
-        rows = self.connection.execute("SELECT vector FROM served WHERE model = ? AND version = ? AND at >= ?",
-                                       (model, version, since)).fetchall()
-        return np.array([[np.nan if v is None else v for v in orjson.loads(r[0])] for r in rows], dtype=np.float64)
+        rows = [orjson.loads(r[0]) for r in self.connection.execute(
+            "SELECT vector FROM served WHERE model = ? AND version = ? AND at >= ?", (model, version, since))]
+        return {name: [row.get(name) for row in rows] for name in names}

@@ -4,8 +4,8 @@ tensor, and the server builds the tensor the way training did.
 ``{"parameters": {"entities": [{"user_id": 7}, ...]}}`` on ``/v2/models/NAME/infer`` (no
 ``inputs``), or ``{"entities": [...]}`` on ``/predict``: the service's features are looked up in the
 online store by entity key (TTL at the request's time), the on-demand transformations run (the same
-functions as at training), a missing value becomes 0 and the vector float32, as the ``features`` task
-made it. ``"return_features": true`` in the parameters adds the vectors used to the answer.
+functions as at training), and the model's input is built by ``mlscale.features.encoding``, as the
+``features`` task built it. ``"return_features": true`` in the parameters adds the vectors used to the answer.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from mlscale.errors import UsageError
+from mlscale.features.encoding import model_matrix
 from mlscale.registry import ModelVersion
 from mlscale.serve.protocol import MAX_ROWS, BadRequest
 
@@ -25,7 +26,6 @@ class FeatureInputs:
 
     def __init__(self, version: ModelVersion, store_location: str | None, log_location: str | None = None) -> None:
         from mlscale.features import load_service
-        from mlscale.features.definitions import feature_column
         from mlscale.features.online import online_store
         from mlscale.features.skew import FeatureLog, FeatureSkew
 
@@ -36,10 +36,11 @@ class FeatureInputs:
         self.version = version
         self.repository, self.service = load_service(str(options.get("service")))
         self.store = online_store(store_location)
-        self.names = [reference.partition(":")[2] for reference in self.service.references()]
-        self._column = feature_column
-        trained = (version.metrics.get("features") or {}).get("statistics") or {}
-        self.skew = FeatureSkew(trained)  # what /metrics shows, against the training statistics
+        self.fields = self.service.fields()
+        self.names = [field.name for field in self.fields]
+        recorded = version.metrics.get("features") or {}
+        self.encoding = recorded.get("encoding") or {}  # the categories each categorical feature had
+        self.skew = FeatureSkew(recorded.get("statistics") or {})  # /metrics, against the training statistics
         self.log = FeatureLog(log_location) if log_location else None
 
     def vectors(self, entity_rows: list[dict[str, Any]]) -> np.ndarray:
@@ -49,11 +50,10 @@ class FeatureInputs:
             columns = get_online_features(self.repository, self.store, self.service, entity_rows)
         except UsageError as exc:  # an entity row without a join key: the client's mistake
             raise BadRequest(str(exc)) from None
-        values = np.stack([self._column(columns[name], "float64") for name in self.names], axis=1)
-        self.skew.observe(self.names, values)  # the values as served, missing ones not binned (as at training)
+        self.skew.observe(columns)  # the values as served, missing ones not counted (as at training)
         if self.log is not None:
-            self.log.append(self.version.name, self.version.version, time.time(), values)
-        return np.nan_to_num(values, nan=0.0).astype(np.float32)
+            self.log.append(self.version.name, self.version.version, time.time(), columns)
+        return model_matrix(columns, self.fields, self.encoding, len(entity_rows))
 
 
 def entity_rows(value: Any) -> list[dict[str, Any]]:

@@ -4,7 +4,8 @@
 builds the training set by historical retrieval: one row per entity row (its join keys, its event
 time and its label), the service's features as of that time. The held-out split is the latest
 ``eval_fraction`` of the rows by event time (a model is judged on times after those it learned
-from). A missing value (no row inside the TTL) enters the model as 0. The feature list and each
+from). A missing value (no row inside the TTL) enters the model as 0, a categorical feature as one 0/1
+column per category seen in training (``mlscale.features.encoding``). The feature list and each
 feature's training statistics (the distribution the server's skew check compares with) go into the
 task's info, the run's report and the registered version's lineage.
 """
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from mlscale.errors import UsageError
+from mlscale.features.encoding import categories_of, category, is_categorical, model_matrix
 from mlscale.tasks.base import Task, TensorData, regression_metrics
 from mlscale.tasks.tabular import TabularMLP
 
@@ -38,6 +40,18 @@ def numeric_statistics(values: np.ndarray) -> dict[str, Any]:
             "max": float(present.max()), "edges": [float(e) for e in inner], "counts": [int(c) for c in counts]}
 
 
+def categorical_statistics(values: list[Any]) -> dict[str, Any]:
+    """A categorical feature's training values: how often each category came, and the missing share."""
+    frequencies: dict[str, int] = {}
+    for value in values:
+        name = category(value)
+        if name is not None:
+            frequencies[name] = frequencies.get(name, 0) + 1
+    present = sum(frequencies.values())
+    return {"kind": "categorical", "count": len(values),
+            "null_fraction": float(1 - present / len(values)) if values else 0.0, "frequencies": frequencies}
+
+
 def make_features(service: str = "", entities: str = "", label: str = "label", timestamp: str = "event_timestamp",
                   hidden: int = 64, eval_fraction: float = 0.2) -> Task:
     from mlscale.features import get_historical_features, load_service
@@ -49,30 +63,44 @@ def make_features(service: str = "", entities: str = "", label: str = "label", t
     if label not in table.column_names:
         raise UsageError(f"bad value label={label!r}: the entity rows have no such column "
                          f"(columns: {', '.join(table.column_names)})")
-    names = [reference.partition(":")[2] for reference in feature_service.references()]
-    try:
-        columns = [np.asarray(table.column(n).to_numpy(zero_copy_only=False), dtype=np.float64) for n in names]
-    except (TypeError, ValueError):
-        raise UsageError(f"feature service {feature_service.name!r} has non-numeric features; the features task "
-                         "trains on numbers") from None
-    values = np.stack(columns, axis=1) if columns else np.zeros((len(table), 0))
+    fields = feature_service.fields()
+    names = [field.name for field in fields]
+    columns: dict[str, Any] = {}
+    for field in fields:
+        column = table.column(field.name)
+        if is_categorical(field):
+            columns[field.name] = column.to_pylist()
+            continue
+        try:
+            columns[field.name] = np.asarray(column.to_numpy(zero_copy_only=False), dtype=np.float64)
+        except (TypeError, ValueError):
+            raise UsageError(f"feature {field.name!r} of service {feature_service.name!r} holds values that are not "
+                             f"numbers; declare it Field({field.name!r}, 'string') to train on it as a category") \
+                from None
     order = np.argsort(table.column(timestamp).to_numpy(), kind="stable")  # by event time: the latest held out
     held = max(1, round(len(order) * eval_fraction))
     if len(order) - held < 1:
         raise UsageError(f"bad value entities={entities!r}: {len(order)} row(s) leave nothing to train on")
     train_rows, eval_rows = order[:-held], order[-held:]
-    statistics = {name: numeric_statistics(values[train_rows, i]) for i, name in enumerate(names)}
-    for field in feature_service.fields():  # the alarm levels declared with the features travel with them
-        if field.skew_threshold is not None:
+    statistics, encoding = {}, {}
+    for field in fields:
+        values = columns[field.name]
+        if is_categorical(field):
+            training = [values[i] for i in train_rows]
+            encoding[field.name] = categories_of(training)
+            statistics[field.name] = categorical_statistics(training)
+        else:
+            statistics[field.name] = numeric_statistics(values[train_rows])
+        if field.skew_threshold is not None:  # the alarm level declared with the feature travels with it
             statistics[field.name]["skew_threshold"] = field.skew_threshold
-    inputs = torch.from_numpy(np.nan_to_num(values, nan=0.0)).float()
+    inputs = torch.from_numpy(model_matrix(columns, fields, encoding, len(table)))
     labels = table.column(label).to_numpy(zero_copy_only=False)
     classify = np.issubdtype(labels.dtype, np.integer)
     targets = torch.from_numpy(labels.astype(np.int64 if classify else np.float32))
     split = [TensorData(inputs[rows], targets[rows]) for rows in (train_rows, eval_rows)]
-    info = {"features": {"service": service, "features": names, "statistics": statistics,
+    info = {"features": {"service": service, "features": names, "statistics": statistics, "encoding": encoding,
                          "training_rows": len(train_rows), "held_out_rows": len(eval_rows)}}
-    width = len(names)
+    width = inputs.shape[1]
     if classify:
         classes = int(labels.max()) + 1
         return Task("features", lambda: TabularMLP(width, classes, hidden), split[0], split[1], info=info)

@@ -118,6 +118,8 @@ def test_bad_references_and_entity_rows_are_one_line_errors(tmp_path):
         _get(view, pa.Table.from_pylist([{"user": 1, "event_timestamp": T0}]))
     with pytest.raises(UsageError, match="no 'event_timestamp' column"):
         _get(view, pa.Table.from_pylist([{"driver_id": 1}]))
+    with pytest.raises(UsageError, match="feature view 'stats': cannot read its source"):
+        _get(_view(tmp_path / "missing.parquet"), _entities((1, T0)))
 
 
 def _brute_force(source_rows, entity_rows, ttl):

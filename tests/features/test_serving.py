@@ -32,6 +32,8 @@ def trained(tmp_path, monkeypatch):
         tmp_path / "activity.parquet")
     pq.write_table(pa.Table.from_pylist([{"user_id": u, "event_timestamp": now - timedelta(days=30),
                                           "age": float(20 + u)} for u in users]), tmp_path / "profile.parquet")
+    pq.write_table(pa.Table.from_pylist([{"user_id": u, "event_timestamp": now - timedelta(days=1), "tier": "pro"}
+                                         for u in users]), tmp_path / "plan.parquet")
     monkeypatch.setenv("MLSCALE_TEST_FEATURE_DATA", str(tmp_path))
     importlib.reload(repo_module)
     entities = pa.Table.from_pylist([{"user_id": int(u), "event_timestamp": now - timedelta(minutes=int(m)),

@@ -14,7 +14,7 @@ def _skew(seed: int, shift: float, served: int = 500) -> dict:
     rng = np.random.default_rng(seed)
     statistics = {"x": numeric_statistics(rng.normal(0, 1, 2000))}
     skew = FeatureSkew(statistics)
-    skew.observe(["x"], rng.normal(shift, 1, (served, 1)))
+    skew.observe({"x": rng.normal(shift, 1, served)})
     return skew.report()[0]
 
 
@@ -38,12 +38,12 @@ def test_no_false_alarm_over_20_seeds_at_the_default_threshold():
 def test_a_threshold_declared_on_the_field_applies_and_an_explicit_one_wins():
     rng = np.random.default_rng(4)
     statistics = {"x": {**numeric_statistics(rng.normal(0, 1, 2000)), "skew_threshold": 0.9}}
-    served = rng.normal(1, 1, (500, 1))
+    served = {"x": rng.normal(1, 1, 500)}
     declared = FeatureSkew(statistics)
-    declared.observe(["x"], served)
+    declared.observe(served)
     assert declared.report()[0]["threshold"] == 0.9 and not declared.report()[0]["skewed"]
     explicit = FeatureSkew(statistics, thresholds={"x": 0.1})
-    explicit.observe(["x"], served)
+    explicit.observe(served)
     assert explicit.report()[0]["skewed"]
 
 
@@ -51,5 +51,18 @@ def test_too_few_samples_decide_nothing_and_missing_values_are_not_binned():
     row = _skew(seed=1, shift=3.0, served=50)
     assert row["skewed"] is None and row["samples"] == 50
     skew = FeatureSkew({"x": numeric_statistics(np.arange(100.0))})
-    skew.observe(["x"], np.array([[np.nan], [5.0]]))
+    skew.observe({"x": [None, np.nan, 5.0]})
     assert skew.counts["x"].sum() == 1
+
+
+def test_a_categorical_feature_is_measured_by_l_infinity():
+    from mlscale.tasks.featured import categorical_statistics
+
+    rng = np.random.default_rng(5)
+    tiers = ["free", "pro", "team"]
+    statistics = {"tier": categorical_statistics(list(rng.choice(tiers, 2000, p=[0.6, 0.3, 0.1])))}
+    same, moved = FeatureSkew(statistics), FeatureSkew(statistics)
+    same.observe({"tier": list(rng.choice(tiers, 500, p=[0.6, 0.3, 0.1]))})
+    moved.observe({"tier": list(rng.choice(tiers, 500, p=[0.2, 0.3, 0.5]))})
+    assert same.report()[0]["measure"] == "l_infinity" and not same.report()[0]["skewed"]
+    assert moved.report()[0]["skewed"] and moved.report()[0]["distance"] == pytest.approx(0.4, abs=0.06)

@@ -33,6 +33,9 @@ def feature_data(tmp_path, monkeypatch):
     pq.write_table(pa.Table.from_pylist([{"user_id": int(u), "event_timestamp": T0 - timedelta(days=30),
                                           "age": float(a)} for u, a in zip(users, rng.integers(18, 80, 200))]),
                    tmp_path / "profile.parquet")
+    pq.write_table(pa.Table.from_pylist([{"user_id": int(u), "event_timestamp": T0 - timedelta(days=1),
+                                          "tier": ["free", "pro", "team"][int(u) % 3]} for u in users[:180]]),
+                   tmp_path / "plan.parquet")  # 20 users without a plan: missing
     monkeypatch.setenv("MLSCALE_TEST_FEATURE_DATA", str(tmp_path))
     moments = [T0 + timedelta(hours=int(h)) for h in rng.integers(24, 96, 600)]
     entity = pa.Table.from_pylist([{"user_id": int(u), "event_timestamp": t}
@@ -75,3 +78,22 @@ def test_an_undeclared_module_is_never_loaded_as_a_feature_repository(tmp_path):
                      "--run-dir", str(tmp_path / "run"))
     assert result.returncode == 2 and "not a declared feature repository" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_categorical_feature_is_one_hot_with_its_frequencies_recorded(feature_data, tmp_path):
+    feature_data, _ = feature_data
+    result = run_cli("train", "--features", "tests.feature_repo:with_tier", "--entities",
+                     str(feature_data / "entities.parquet"), "--steps", "20", "--run-dir", str(tmp_path / "run"),
+                     "--no-progress", timeout=240)
+    assert result.returncode == 0, result.stderr
+    features = json.loads((tmp_path / "run" / "report.json").read_text())["features"]
+    tier = features["statistics"]["tier"]
+    assert features["encoding"] == {"tier": ["free", "pro", "team"]}
+    assert tier["kind"] == "categorical" and set(tier["frequencies"]) == {"free", "pro", "team"}
+    assert sum(tier["frequencies"].values()) == round(480 * (1 - tier["null_fraction"]))
+    from mlscale.features.encoding import model_matrix
+
+    fields = load_service("tests.feature_repo:with_tier")[1].fields()
+    matrix = model_matrix({"spend": [1.5, None], "visits": [2.0, 3.0], "tier": ["pro", "gold"]}, fields,
+                          features["encoding"], 2)
+    assert matrix.tolist() == [[1.5, 2.0, 0.0, 1.0, 0.0], [0.0, 3.0, 0.0, 0.0, 0.0]]  # unseen "gold": all 0
