@@ -54,7 +54,7 @@ def _entity_table(entity_rows: Any) -> Any:
     return pa.Table.from_pandas(entity_rows, preserve_index=False)
 
 
-def _source_sql(view: FeatureView, wanted: Sequence[str]) -> str:
+def source_sql(view: FeatureView, wanted: Sequence[str]) -> str:
     """The view's source, one row per (keys, event time): ties resolved as the module says."""
     source = view.source
     keys = ", ".join(_quote(k) for k in view.join_keys)
@@ -74,7 +74,7 @@ def _view_sql(view: FeatureView, wanted: Sequence[str], names: dict[str, str]) -
     if view.ttl is not None:
         valid += f" AND epoch_us(e.__t) - epoch_us(f.__t) <= {view.ttl // timedelta(microseconds=1)}"
     values = ", ".join(f"CASE WHEN {valid} THEN f.{_quote(c)} END AS {_quote(names[c])}" for c in wanted)
-    return (f"SELECT e.{ROW}, {values} FROM entities e ASOF LEFT JOIN ({_source_sql(view, wanted)}) f "
+    return (f"SELECT e.{ROW}, {values} FROM entities e ASOF LEFT JOIN ({source_sql(view, wanted)}) f "
             f"ON {on} AND e.__t >= f.__t")
 
 

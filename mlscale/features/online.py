@@ -20,7 +20,7 @@ import orjson
 
 from mlscale.errors import UsageError
 from mlscale.features.definitions import FeatureRepository, FeatureService, FeatureView
-from mlscale.features.offline import _duckdb, _quote, source_errors
+from mlscale.features.offline import _duckdb, _quote, source_errors, source_sql
 
 Key = tuple[Any, ...]
 Record = tuple[int, dict[str, Any]]  # (event time in microseconds since the epoch, values)
@@ -121,18 +121,13 @@ def materialize(repository: FeatureRepository, store: OnlineStore, end_date: dat
     for view in repository.views:
         if not isinstance(view, FeatureView) or (views is not None and view.name not in views):
             continue
-        source, keys = view.source, ", ".join(_quote(k) for k in view.join_keys)
-        order = f"{_quote(source.created_timestamp_column)} DESC NULLS LAST, " if source.created_timestamp_column \
-            else ""
-        path = str(source.path).replace("'", "''")
-        ts = f"CAST({_quote(source.timestamp_field)} AS TIMESTAMP)"
+        keys = ", ".join(_quote(k) for k in view.join_keys)
         columns = ", ".join(_quote(c) for c in view.features)
-        with source_errors(view):
+        with source_errors(view):  # of the rows at or before the end (ties resolved), each entity's latest
             rows = con.execute(
-                f"SELECT {keys}, epoch_us({ts}), {columns} FROM (SELECT *, row_number() OVER (PARTITION BY {keys} "
-                f"ORDER BY {ts} DESC, {order}filename DESC, file_row_number DESC) AS __rank "
-                f"FROM read_parquet('{path}', filename=true, file_row_number=true) WHERE {ts} <= ?) WHERE __rank = 1",
-                [end_date.replace(tzinfo=None) if end_date.tzinfo is None else end_date]).fetchall()
+                f"SELECT {keys}, epoch_us(__t), {columns} FROM (SELECT *, row_number() OVER (PARTITION BY {keys} "
+                f"ORDER BY __t DESC) AS __latest FROM ({source_sql(view, view.features)}) WHERE __t <= ?) "
+                "WHERE __latest = 1", [end_date]).fetchall()
         width = len(view.join_keys)
         store.write(view.name, [(tuple(row[:width]), (row[width], dict(zip(view.features, row[width + 1:]))))
                                 for row in rows])
