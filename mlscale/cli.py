@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from mlscale.cli_features import add_features
+from mlscale.cli_k8s import add_k8s
 from mlscale.cli_models import add_export, add_models, add_registry_option
 from mlscale.cli_parsers import LazyParser
 from mlscale.cli_serve import add_serve
@@ -161,6 +162,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    "mlscale[tensorboard]; view with `tensorboard --logdir RUN_DIR`)")
     p.add_argument("--register", metavar="NAME", help="register the final model under NAME when training ends")
     p.add_argument("--json", action="store_true", help="print report.json instead of the summary table")
+    p.add_argument("--check", action="store_true", help="check the configuration and the data for a job of "
+                   "--workers processes ($WORLD_SIZE when set, as torchrun sets it), train nothing: exit 0, or 2 "
+                   "naming what is wrong (what a Kubernetes Job's check container runs)")
     p.add_argument("--no-progress", action="store_false", dest="progress", default=None,
                    help="no progress bar or progress lines (failures and restarts are still reported)")
     p.add_argument("--no-plot", action="store_false", dest="plot",
@@ -188,6 +192,11 @@ def _train(args: argparse.Namespace) -> int:
         overrides["task_options"] = {**overrides.get("task_options", {}),
                                      **{k: v for k, v in featured.items() if v is not None}}
     config = build_config(args.config, **overrides)
+    if args.check:
+        from mlscale.train.launcher import check_only
+
+        print(check_only(config))
+        return 0
     if args.register:  # the name is checked before training, not after it
         from mlscale.registry.uri import check_name
 
@@ -302,6 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_export(sub)
     add_serve(sub)
     add_features(sub)
+    add_k8s(sub)
     _add_bench(sub)
     return parser
 

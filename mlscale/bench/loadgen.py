@@ -8,13 +8,13 @@ server.
 
 The client must cost far less than the servers it measures, so it is built on bare ``asyncio``
 protocols (no stream objects, no task per request) over persistent HTTP/1.1 connections, one request
-in flight per connection; a request that finds every connection busy opens a new one, up to
-``max_connections`` (unbounded if absent); past it, it waits for the next free connection, its
-latency still counted from the intended time, as wrk2 does with its fixed connections. Without the
-cap a server past capacity made the generator open thousands of connections, and the connect storm,
-not the server, set the numbers. Lag is how late the generator issued a request, not how long it
-waited for a connection (that is latency). Timestamps come from ``time.perf_counter`` (uvloop's
-``loop.time`` ticks in milliseconds).
+in flight per connection (one that the server answers with ``Connection: close`` is not reused); a
+request that finds every connection busy opens a new one, up to ``max_connections`` (unbounded if
+absent); past it, it waits for the next free connection, its latency still counted from the intended
+time, as wrk2 does with its fixed connections. Without the cap a server past capacity made the
+generator open thousands of connections, and the connect storm, not the server, set the numbers. Lag
+is how late the generator issued a request, not how long it waited for a connection (that is
+latency). Timestamps come from ``time.perf_counter`` (uvloop's ``loop.time`` ticks in milliseconds).
 On one core of this machine it keeps up with 18,000–25,000 requests/s, depending on the server.
 
 Run as ``python -m mlscale.bench.loadgen`` with the JSON config on standard input (or as the one
@@ -84,6 +84,10 @@ class _Connection(asyncio.Protocol):
                 return
             self.buffer = self.buffer[total:]
             index, self.request = self.request, -1
+            if b"connection: close" in head:  # the server closes it after this answer: never reused
+                transport, self.transport = self.transport, None
+                if transport is not None:
+                    transport.close()
             self.generator.completed(self, index, status)
 
     def connection_lost(self, exc: Exception | None) -> None:

@@ -275,6 +275,8 @@ class InferenceFrontend:
         except Exception as exc:  # a bug, not the client's fault: log it under an id, keep serving
             error = internal_error(exc, "inference request failed")
             answer, status, headers = Answer(orjson.dumps({"error": str(error)})), 500, error.headers
+        if self.state.draining:  # keep-alive clients reconnect, through the load balancer, to a server that stays
+            headers = {**(headers or {}), "Connection": "close"}
         await _send(send, status, answer.payload, headers, answer.json_length)
 
     def _model(self, name: str, version: str | None) -> ServedModel:

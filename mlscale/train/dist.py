@@ -51,13 +51,27 @@ def _attempt_store(attempt: int, world: int, timeout: timedelta) -> dist.Store |
     Under the elastic agent, workers share the agent's TCPStore across restarts. Measured here (torch
     2.13, gloo): a restarted group then sometimes hangs in gloo's connect, a peer having read the
     address its partner published in the previous attempt. A prefix per attempt removes the stale keys.
+    The restart count is each agent's own, so the prefix is used only when one agent runs every rank;
+    across hosts, set ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (a fresh store per rendezvous round, as
+    mlscale's Kubernetes Job does), since a replaced host starts counting again from 0.
     Outside the agent, ``None`` lets ``init_process_group`` use ``env://`` as usual.
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
                           timeout=timeout)
+    if int(os.environ.get("LOCAL_WORLD_SIZE", world)) != world:
+        return store
     return dist.PrefixStore(f"mlscale/attempt_{attempt}", store)
+
+
+def _agreed_attempt(attempt: int, device: torch.device) -> int:
+    """The highest restart count of any rank. Each torchrun agent counts its own restarts: when one host
+    (a Kubernetes pod) is replaced, its workers say 0 while their peers say 1. Whether to resume, which
+    heartbeat files to write and what the report calls a restart must be the same on every rank."""
+    count = torch.tensor([attempt], dtype=torch.int64, device=device if device.type == "cuda" else "cpu")
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return int(count.item())
 
 
 def init_distributed(device_preference: str = "auto", timeout_s: float = 300.0) -> DistEnv:
@@ -75,6 +89,8 @@ def init_distributed(device_preference: str = "auto", timeout_s: float = 300.0) 
         dist.init_process_group(backend, store=_attempt_store(attempt, world, timeout), rank=rank,
                                 world_size=world, timeout=timeout,
                                 device_id=device if device.type == "cuda" else None)
+    if world > 1:
+        attempt = _agreed_attempt(attempt, device)
     return DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=device, attempt=attempt)
 
 

@@ -66,6 +66,19 @@ def fit(config: TrainConfig) -> dict[str, Any]:
     return run_dir.read_report()
 
 
+def check_only(config: TrainConfig) -> str:
+    """What ``fit`` checks before a worker starts, for a job of ``$WORLD_SIZE`` processes when set (the
+    torchrun variable: how a Kubernetes Job's check container sizes it), else of ``--workers``.
+    Returns a one-line summary; a mistake is a ``UsageError``."""
+    strategy = strategy_class(config.strategy)
+    task = make_task(config.task, config.task_options)
+    given = os.environ.get("WORLD_SIZE", "")
+    world = int(given) if given.isdigit() and int(given) > 0 else strategy.world_size(config)
+    check_job(config, task.train, world, task.build_model)
+    return (f"ok: task {config.task}, strategy {config.strategy}, {world} process(es), "
+            f"{len(task.train):,} training samples")
+
+
 def resumed_config(config: TrainConfig) -> TrainConfig:
     """The run's saved configuration with the explicitly given fields of ``config`` on top."""
     run_dir = RunDir(config.run_dir or "")

@@ -1,0 +1,181 @@
+"""A served model as a Kubernetes Deployment behind a Service, made to lose no request.
+
+- Probes on the Open Inference Protocol's health endpoints: readiness on ``/v2/health/ready`` (the
+  model is loaded, the server is not draining), liveness on ``/v2/health/live`` (which fails when a
+  model call has run past ``--exec-timeout-s``), a startup probe that gives loading time.
+- Shutdown: when a pod is deleted, Kubernetes sends SIGTERM and removes it from the Service at the
+  same time, and the removal takes a moment to reach every node. ``mlscale serve`` answers
+  readiness 503 at once but goes on serving for ``--drain-delay-s``; then it stops listening and
+  finishes the requests in flight. ``terminationGracePeriodSeconds`` covers all of that (drain delay
+  + the longest queue wait + the longest model call + a margin), so the kubelet never has to SIGKILL
+  a pod that is still answering. During the drain, answers carry ``Connection: close``, so clients on
+  keep-alive connections reconnect to a pod that stays.
+- A rolling update adds a new pod before it removes an old one (maxSurge 1, maxUnavailable 0), and a
+  PodDisruptionBudget lets voluntary disruptions (node drains) take one pod at a time.
+- A HorizontalPodAutoscaler between ``--replicas`` and ``--max-replicas``: on CPU by default, or on
+  the pending requests that ``/metrics`` exports (through a custom metrics adapter, e.g. the
+  Prometheus Adapter).
+- The registry location comes from a Secret (``url``, and ``artifacts`` where the artifacts are not
+  beside a file registry): a database password never appears in a manifest.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from mlscale.deploy.manifests import (
+    Manifest,
+    check_count,
+    check_image,
+    check_name,
+    labels,
+    metadata,
+    resources,
+    secret_env,
+)
+from mlscale.errors import UsageError
+
+HTTP_PORT, GRPC_PORT = 8000, 8001
+REGISTRY_DIR = "/mnt/registry"
+PENDING_METRIC = "mlscale_inference_pending_request_count"
+QUEUE_WAIT_S = 10  # mlscale serve's --timeout-ms default: the longest a request waits in the queue
+MARGIN_S = 5
+
+
+@dataclass(frozen=True)
+class ServingDeployment:
+    """What ``mlscale k8s serve`` renders."""
+
+    name: str
+    model_uri: str
+    image: str
+    replicas: int = 2
+    max_replicas: int | None = None  # None: twice --replicas
+    namespace: str | None = None
+    grpc: bool = True
+    drain_delay_s: float = 10.0
+    exec_timeout_s: float = 30.0
+    cpu: str = "1"
+    memory: str = "1Gi"
+    gpus: int = 0
+    autoscale: Literal["cpu", "pending-requests"] = "cpu"
+    target_cpu_percent: int = 70
+    target_pending: int = 8
+    registry_secret: str = "mlscale-registry"
+    registry_claim: str | None = None
+
+    def __post_init__(self) -> None:
+        check_name("name", self.name)
+        check_image(self.image)
+        check_count("replicas", self.replicas)
+        check_count("gpus", self.gpus, least=0)
+        if self.max_replicas is not None and self.max_replicas < self.replicas:
+            raise UsageError(f"bad value max-replicas={self.max_replicas}: must be at least --replicas "
+                             f"({self.replicas})")
+        if self.drain_delay_s < 0 or self.exec_timeout_s <= 0:
+            raise UsageError("bad value drain-delay-s or exec-timeout-s: the delay must be >= 0 and the timeout > 0")
+        check_count("target-cpu-percent", self.target_cpu_percent)
+        check_count("target-pending", self.target_pending)
+
+    @property
+    def most_replicas(self) -> int:
+        return self.max_replicas if self.max_replicas is not None else 2 * self.replicas
+
+    @property
+    def grace_period_s(self) -> int:
+        """SIGTERM to exit, at most: drain, then a queued request's wait and its model call."""
+        return math.ceil(self.drain_delay_s + QUEUE_WAIT_S + self.exec_timeout_s + MARGIN_S)
+
+
+def serving_manifests(spec: ServingDeployment) -> list[Manifest]:
+    """Deployment, Service, PodDisruptionBudget and (unless the replica count is fixed) the autoscaler."""
+    out = [_deployment(spec), _service(spec), _disruption_budget(spec)]
+    if spec.most_replicas > spec.replicas:
+        out.append(_autoscaler(spec))
+    return out
+
+
+def serve_command(spec: ServingDeployment) -> list[str]:
+    command = ["mlscale", "serve", spec.model_uri, "--host", "0.0.0.0", "--port", str(HTTP_PORT),
+               "--drain-delay-s", f"{spec.drain_delay_s:g}", "--exec-timeout-s", f"{spec.exec_timeout_s:g}"]
+    command += ["--grpc-port", str(GRPC_PORT)] if spec.grpc else ["--no-grpc"]
+    return command
+
+
+def _probe(path: str, period_s: int, failures: int, timeout_s: int) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period_s, "timeoutSeconds": timeout_s,
+            "failureThreshold": failures}
+
+
+def _container(spec: ServingDeployment) -> dict[str, Any]:
+    ports = [{"name": "http", "containerPort": HTTP_PORT}]
+    if spec.grpc:
+        ports.append({"name": "grpc", "containerPort": GRPC_PORT})
+    env = [secret_env("MLSCALE_REGISTRY", spec.registry_secret, "url"),
+           secret_env("MLSCALE_ARTIFACTS", spec.registry_secret, "artifacts", optional=True),
+           {"name": "PYTHONUNBUFFERED", "value": "1"}]
+    container: dict[str, Any] = {
+        "name": "server", "image": spec.image, "command": serve_command(spec), "env": env, "ports": ports,
+        "startupProbe": _probe("/v2/health/live", period_s=2, failures=60, timeout_s=2),  # 2 minutes to start
+        "readinessProbe": _probe("/v2/health/ready", period_s=2, failures=1, timeout_s=2),
+        "livenessProbe": _probe("/v2/health/live", period_s=10, failures=3, timeout_s=5),
+        "resources": resources(spec.cpu, spec.memory, spec.gpus),
+        "securityContext": {"allowPrivilegeEscalation": False, "runAsNonRoot": True},
+    }
+    if spec.registry_claim:
+        container["volumeMounts"] = [{"name": "registry", "mountPath": REGISTRY_DIR}]
+    return container
+
+
+def _deployment(spec: ServingDeployment) -> Manifest:
+    pod_labels = labels(spec.name, "serving")
+    pod: dict[str, Any] = {
+        "terminationGracePeriodSeconds": spec.grace_period_s,
+        "containers": [_container(spec)],
+        # replicas on different nodes where the cluster allows: one node lost is not the whole service
+        "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
+                                       "whenUnsatisfiable": "ScheduleAnyway",
+                                       "labelSelector": {"matchLabels": pod_labels}}],
+    }
+    if spec.registry_claim:
+        pod["volumes"] = [{"name": "registry", "persistentVolumeClaim": {"claimName": spec.registry_claim}}]
+    deployment_spec: dict[str, Any] = {}
+    if spec.most_replicas == spec.replicas:  # with an autoscaler, it owns the count (no fight on apply)
+        deployment_spec["replicas"] = spec.replicas
+    deployment_spec.update({
+        "selector": {"matchLabels": pod_labels},
+        "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+        "template": {"metadata": {"labels": pod_labels}, "spec": pod},
+    })
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": metadata(spec.name, spec.namespace, "serving"),
+            "spec": deployment_spec}
+
+
+def _service(spec: ServingDeployment) -> Manifest:
+    ports: list[dict[str, Any]] = [{"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"}]
+    if spec.grpc:  # plaintext HTTP/2: what gRPC-aware proxies and meshes look for
+        ports.append({"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc", "protocol": "TCP",
+                      "appProtocol": "kubernetes.io/h2c"})
+    return {"apiVersion": "v1", "kind": "Service", "metadata": metadata(spec.name, spec.namespace, "serving"),
+            "spec": {"type": "ClusterIP", "selector": labels(spec.name, "serving"), "ports": ports}}
+
+
+def _disruption_budget(spec: ServingDeployment) -> Manifest:
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+            "metadata": metadata(spec.name, spec.namespace, "serving"),
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": labels(spec.name, "serving")}}}
+
+
+def _autoscaler(spec: ServingDeployment) -> Manifest:
+    if spec.autoscale == "cpu":
+        metric: dict[str, Any] = {"type": "Resource", "resource": {
+            "name": "cpu", "target": {"type": "Utilization", "averageUtilization": spec.target_cpu_percent}}}
+    else:  # requests waiting in a pod's queue, from /metrics through a custom metrics adapter
+        target = {"type": "AverageValue", "averageValue": str(spec.target_pending)}
+        metric = {"type": "Pods", "pods": {"metric": {"name": PENDING_METRIC}, "target": target}}
+    return {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler",
+            "metadata": metadata(spec.name, spec.namespace, "serving"),
+            "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": spec.name},
+                     "minReplicas": spec.replicas, "maxReplicas": spec.most_replicas, "metrics": [metric]}}

@@ -1,0 +1,165 @@
+"""The rendered training Job, run locally: its pods' exact commands as local "pods" (tests/deploy/pods.py).
+
+It trains what ``mlscale train --workers N`` trains with the same config, and when one pod is killed
+mid-run (every process in it, as when its node is lost), the retry the Job makes resumes from the
+shared checkpoint and ends with the same weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from mlscale.deploy import render_training_job, training_manifests
+from tests.deploy.pods import by_kind, job_pods, require_namespaces
+from tests.helpers import REPO
+
+NODES = 2
+# float64, so that "the same training" can be checked to 1e-10; a fixed compute time per step gives a
+# window in which to kill a pod between two checkpoints.
+CONFIG = """task = "digits"
+dtype = "float64"
+steps = 40
+checkpoint_every = 10
+max_restarts = 2
+simulated_compute_ms = 100
+log_every = 10
+"""
+POD_TIMEOUT_S = 180
+
+
+@pytest.fixture(scope="module")
+def config_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("job") / "run.toml"
+    path.write_text(CONFIG)
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(config_file, tmp_path_factory) -> dict[str, torch.Tensor]:
+    """``mlscale train --config run.toml --workers 2`` on this machine: what the Job must equal."""
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    result = subprocess.run([sys.executable, "-m", "mlscale", "train", "--config", str(config_file), "--workers",
+                             str(NODES), "--run-dir", str(run_dir), "--no-progress", "--no-plot"],
+                            capture_output=True, text=True, timeout=POD_TIMEOUT_S, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    return load_file(run_dir / "final" / "model.safetensors")
+
+
+def _render(config_file: Path) -> list[dict]:
+    job, _ = render_training_job(config_path=str(config_file), nodes=NODES, image="mlscale:test",
+                                 name="digits-job", checkpoint_claim="runs")
+    return training_manifests(job)
+
+
+def _start(*pods) -> None:
+    """What the kubelet does with each pod: the check init container to its end, then the trainer."""
+    checks = [pod.start("check") for pod in pods]
+    for pod, check in zip(pods, checks):
+        assert check.wait(timeout=POD_TIMEOUT_S) == 0, pod.log.read_text()
+    for pod in pods:
+        pod.start("trainer")
+
+
+def _max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def _wait_for_checkpoint(folder: Path, step: int, pods, timeout: float = POD_TIMEOUT_S) -> None:
+    deadline = time.time() + timeout
+    while not (folder.exists() and any(folder.glob(f"step_*{step}"))):
+        assert all(p.process.poll() is None for p in pods), "a pod ended before the checkpoint"
+        assert time.time() < deadline, f"no checkpoint of step {step} in {folder}"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def workdir(tmp_path):
+    require_namespaces()
+    claims = {"runs": tmp_path / "claim-runs"}
+    claims["runs"].mkdir()
+    yield tmp_path, claims
+
+
+def _finish(pods) -> None:
+    try:
+        codes = [p.process.wait(timeout=POD_TIMEOUT_S) for p in pods]
+        assert codes == [0] * len(pods), "\n".join(p.log.read_text()[-3000:] for p in pods)
+    finally:
+        for pod in pods:
+            pod.kill()
+
+
+def test_the_rendered_job_trains_what_mlscale_train_workers_n_trains(config_file, reference, workdir):
+    root, claims = workdir
+    manifests = _render(config_file)
+    pods = job_pods(manifests, root, claims)
+    _start(*pods)
+    _finish(pods)
+    run_dir = claims["runs"] / by_kind(manifests, "Job")["metadata"]["name"]
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["status"] == "completed" and report["world_size"] == NODES and report["restarts"] == 0
+    assert _max_difference(load_file(run_dir / "final" / "model.safetensors"), reference) <= 1e-10
+
+
+def test_a_killed_pod_is_retried_and_the_job_resumes_with_the_same_weights(config_file, reference, workdir):
+    root, claims = workdir
+    manifests = _render(config_file)
+    pods = job_pods(manifests, root, claims)
+    run_dir = claims["runs"] / by_kind(manifests, "Job")["metadata"]["name"]
+    _start(*pods)
+    try:
+        _wait_for_checkpoint(run_dir / "checkpoints", 20, pods)
+        pods[1].kill()  # its node is lost: the agent and the worker die together
+        assert pods[1].process.returncode != 0  # a failed pod: the Job retries its index (backoffLimitPerIndex)
+        _start(pods[1])  # the retry: the same command, the same index and name
+    except BaseException:
+        for pod in pods:
+            pod.kill()
+        raise
+    _finish(pods)
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["status"] == "completed" and report["steps"] == 40
+    assert report["restarts"] >= 1 and report["resumed_from_step"] >= 20
+    events = [json.loads(line) for line in (run_dir / "recovery.jsonl").read_text().splitlines()]
+    assert events and events[-1]["resumed_from_step"] >= 20
+    assert _max_difference(load_file(run_dir / "final" / "model.safetensors"), reference) <= 1e-10
+
+
+def test_a_config_error_fails_in_the_check_container_with_exit_2(tmp_path, workdir):
+    """What the Job's podFailurePolicy turns into a failed Job at once (exit 2 of the check container)."""
+    root, claims = workdir
+    config = tmp_path / "bad.toml"
+    config.write_text('task = "digits"\nbatch_size = 100000\n')
+    manifests = _render(config)
+    job = by_kind(manifests, "Job")
+    rule = job["spec"]["podFailurePolicy"]["rules"][0]
+    assert rule["action"] == "FailJob" and rule["onExitCodes"] == {"containerName": "check", "operator": "In",
+                                                                 "values": [2]}
+    pod = job_pods(manifests, root, claims)[0]
+    assert pod.run("check", timeout=60) == 2
+    last = pod.log.read_text().strip().splitlines()[-1]
+    assert last.startswith("mlscale: error: bad value batch-size=100000")
+
+
+def test_pod_zero_hosts_the_rendezvous_and_is_rank_zero(config_file):
+    """The success policy waits for index 0, so index 0 must be the rank that writes the report: the
+    rendezvous orders nodes by name, and '<job>-0.' sorts before '<job>-1', '<job>-10', ... ."""
+    manifests = _render(config_file)
+    job = by_kind(manifests, "Job")
+    name = job["metadata"]["name"]
+    assert job["spec"]["successPolicy"] == {"rules": [{"succeededIndexes": "0"}]}
+    command = job["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert f"--rdzv-endpoint={name}-0.{name}:29500" in command
+    names = [f"{name}-{i}.{name}.default.svc.cluster.local" for i in range(12)]
+    assert sorted(names)[0] == names[0]
+    assert os.path.basename(command[0]) == "torchrun"
