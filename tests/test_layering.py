@@ -54,6 +54,8 @@ FORBIDDEN = {
     "tasks": ("mlscale.train", "mlscale.bench", "mlscale.serve", "mlscale.registry"),
     "data": ("mlscale.train", "mlscale.bench", "mlscale.serve", "mlscale.registry"),
     "train": ("mlscale.bench", "mlscale.serve", "mlscale.registry", "mlscale.export"),
+    # manifests name the commands (mlscale train, mlscale serve) and never run their code
+    "deploy": ("mlscale.bench", "mlscale.serve", "mlscale.export", "mlscale.features"),
 }
 
 

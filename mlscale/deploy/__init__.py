@@ -62,11 +62,10 @@ def render_serving(*, uri: str, image: str, replicas: int = 2, name: str | None 
     from mlscale.registry.uri import parse_uri
 
     parsed = parse_uri(uri)
-    unchecked = _look_up(uri, registry)
-    notes = [unchecked] if unchecked else []
     spec = ServingDeployment(name=name or default_name(parsed.name), model_uri=uri, image=image, replicas=replicas,
                              **options)
-    return spec, notes
+    unchecked = _look_up(uri, registry)  # last: a mistake in the flags is reported before any note
+    return spec, [unchecked] if unchecked else []
 
 
 def _look_up(uri: str, location: str | None) -> str | None:

@@ -191,8 +191,8 @@ def _job(job: TrainingJob) -> Manifest:
     trainer = {"name": TRAIN_CONTAINER, "image": job.image, "command": torchrun_command(job), "env": env,
                "ports": [{"name": "rendezvous", "containerPort": RENDEZVOUS_PORT}],
                "volumeMounts": mounts}
-    if pod_resources:
-        trainer["resources"] = pod_resources
+    if pod_resources:  # the check too: it sees the devices the run will (a pod reserves the larger, not the sum)
+        check["resources"] = trainer["resources"] = pod_resources
     pod_labels = labels(job.name, "training")
     return {
         "apiVersion": "batch/v1", "kind": "Job",

@@ -61,9 +61,10 @@ class Pod:
     """One pod of a pod template: ``start(container)`` runs a container's command in the pod."""
 
     def __init__(self, template: dict[str, Any], name: str, workdir: Path, claims: dict[str, Path],
-                 hosts: Path, env: dict[str, str] | None = None) -> None:
+                 hosts: Path, env: dict[str, str] | None = None,
+                 secrets: dict[str, dict[str, str]] | None = None) -> None:
         self.spec, self.name, self.hosts = template["spec"], name, hosts
-        self.extra_env = env or {}
+        self.extra_env, self.secrets = env or {}, secrets or {}
         self.volumes = self._materialize(workdir, claims)
         self.process: subprocess.Popen | None = None
         self.log = workdir / f"{name}.log"
@@ -94,8 +95,14 @@ class Pod:
         env = {"PATH": f"{image_bin}:/usr/local/bin:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/root"),
                "HOSTNAME": self.name, "LANG": "C.UTF-8", **self.extra_env}
         for item in container.get("env", []):
-            assert "value" in item, f"only literal values are imitated here, not {item}"
-            env[item["name"]] = item["value"]
+            if "value" in item:
+                env[item["name"]] = item["value"]
+                continue
+            ref = item["valueFrom"]["secretKeyRef"]  # the only other source the manifests use
+            value = self.secrets.get(ref["name"], {}).get(ref["key"])
+            assert value is not None or ref.get("optional"), f"secret {ref} missing: the pod would not start"
+            if value is not None:
+                env[item["name"]] = value
         return env
 
     def _script(self, container: dict[str, Any]) -> str:
@@ -116,10 +123,11 @@ class Pod:
                   'exec "$@"']
         return "\n".join(steps)
 
-    def start(self, container_name: str) -> subprocess.Popen:
+    def start(self, container_name: str, command: list[str] | None = None) -> subprocess.Popen:
+        """``command``: the container's command as changed by the caller (default: the manifest's)."""
         container = self.container(container_name)
         env = self.environment(container)
-        command = expand(container["command"] + container.get("args", []), env)
+        command = expand(command or container["command"] + container.get("args", []), env)
         argv = ["unshare", "--pid", "--fork", "--kill-child", "--mount", "--uts",
                 "sh", "-c", self._script(container), "pod", *command]
         with open(self.log, "a") as log:
@@ -132,18 +140,27 @@ class Pod:
         """Run a container to its end (an init container): its exit code."""
         return self.start(container_name).wait(timeout=timeout)
 
-    def kill(self) -> None:
-        """SIGKILL the pod's PID namespace: every process in it dies at once."""
-        if self.process is None or self.process.poll() is not None:
-            return
+    def _signal_init(self, sig: int) -> None:
+        """``sig`` to the PID namespace's init: the container's first process (its PID 1)."""
         pid = self.process.pid
         try:
             children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
         except FileNotFoundError:
             children = []
-        for child in children:  # the namespace's init: its death takes every process in the namespace
+        for child in children:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(int(child), signal.SIGKILL)
+                os.kill(int(child), sig)
+
+    def terminate(self) -> None:
+        """What the kubelet does first when a pod is deleted: SIGTERM to the container's PID 1."""
+        if self.process is not None and self.process.poll() is None:
+            self._signal_init(signal.SIGTERM)
+
+    def kill(self) -> None:
+        """SIGKILL the pod's PID namespace: every process in it dies at once (its init's death takes them)."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        self._signal_init(signal.SIGKILL)
         self.process.kill()
         self.process.wait(timeout=30)
 

@@ -1,0 +1,172 @@
+"""`mlscale k8s train|serve`: the rendered manifests are the reviewed golden files, byte for byte, and
+every one passes ``kubernetes-validate --strict`` against the oldest Kubernetes they support and the
+newest the validator knows; bad input exits 2 with one line.
+
+After an intended change: ``MLSCALE_UPDATE_GOLDEN=1 pytest tests/deploy/test_manifests.py``, then
+review the diff of tests/deploy/golden/.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from mlscale.cli import main
+from mlscale.deploy import MIN_KUBERNETES
+from tests.helpers import REPO
+
+GOLDEN = Path(__file__).parent / "golden"
+IMAGE = "registry.example.com/mlscale:0.1.0"
+NEWEST_KUBERNETES = "1.37"
+CASES = {
+    "train-gpu": ["k8s", "train", "--config", "examples/digits.toml", "--nodes", "4", "--gpus-per-node", "8",
+                  "--image", f"{IMAGE}-cuda", "--checkpoint-volume", "mlscale-runs", "--namespace", "ml",
+                  "--memory", "256Gi", "--register", "digits"],
+    "train-cpu": ["k8s", "train", "--config", "examples/digits.toml", "--nodes", "2", "--cpu", "4", "--memory", "8Gi",
+                  "--image", IMAGE, "--checkpoint-volume", "mlscale-runs"],
+    "serve": ["k8s", "serve", "models:/digits@production", "--image", IMAGE, "--replicas", "2"],
+    "serve-pending": ["k8s", "serve", "models:/digits@production", "--image", IMAGE, "--replicas", "3",
+                      "--max-replicas", "12", "--autoscale", "pending-requests", "--namespace", "ml", "--gpus", "1",
+                      "--registry-volume", "mlscale-registry"],
+    "serve-fixed": ["k8s", "serve", "models:/digits/3", "--image", f"{IMAGE}@sha256:{'0' * 64}", "--replicas", "2",
+                    "--max-replicas", "2", "--no-grpc", "--drain-delay-s", "15"],
+}
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def mlscale(*args: str, registry: str = "/nonexistent-registry") -> Result:
+    """The command in this process (the same ``main`` as the ``mlscale`` script), from the repository root."""
+    out, err = io.StringIO(), io.StringIO()
+    saved, cwd = os.environ.get("MLSCALE_REGISTRY"), os.getcwd()
+    os.environ["MLSCALE_REGISTRY"] = registry
+    try:
+        os.chdir(REPO)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(list(args))
+    finally:
+        os.chdir(cwd)
+        if saved is None:
+            os.environ.pop("MLSCALE_REGISTRY")
+        else:
+            os.environ["MLSCALE_REGISTRY"] = saved
+    return Result(code, out.getvalue(), err.getvalue())
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory) -> dict[str, Path]:
+    """Each case rendered with -o DIR (one file per object); its stdout form is the same YAML."""
+    root = tmp_path_factory.mktemp("rendered")
+    out = {}
+    for case, args in CASES.items():
+        result = mlscale(*args, "-o", str(root / case))
+        assert result.returncode == 0, result.stderr
+        out[case] = root / case
+    return out
+
+
+def test_the_manifests_are_the_reviewed_golden_files(rendered):
+    if os.environ.get("MLSCALE_UPDATE_GOLDEN") == "1":
+        shutil.rmtree(GOLDEN, ignore_errors=True)
+        for case, folder in rendered.items():
+            shutil.copytree(folder, GOLDEN / case)
+    for case, folder in rendered.items():
+        names = sorted(p.name for p in folder.iterdir())
+        assert names == sorted(p.name for p in (GOLDEN / case).iterdir()), case
+        for name in names:
+            assert (folder / name).read_text() == (GOLDEN / case / name).read_text(), f"{case}/{name}"
+
+
+def test_stdout_is_the_same_manifests_as_the_files(rendered):
+    result = mlscale(*CASES["train-cpu"])
+    assert result.returncode == 0, result.stderr
+    documents = list(yaml.safe_load_all(result.stdout))
+    files = [yaml.safe_load(p.read_text()) for p in sorted(rendered["train-cpu"].iterdir())]
+    assert sorted(documents, key=str) == sorted(files, key=str)
+    assert [d["kind"] for d in documents] == ["ConfigMap", "Service", "Job"]
+
+
+@pytest.mark.parametrize("version", [MIN_KUBERNETES, NEWEST_KUBERNETES])
+def test_every_manifest_passes_kubernetes_validate_strict(version):
+    validator = shutil.which("kubernetes-validate", path=str(Path(sys.executable).parent))
+    assert validator, "kubernetes-validate is a test dependency"
+    files = sorted(str(p) for p in GOLDEN.rglob("*.yaml"))
+    assert len(files) >= 14
+    result = subprocess.run([validator, "--strict", "-k", f"{version}.0", *files], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    passed = [line for line in result.stdout.splitlines() if " passed for resource " in line]
+    assert len(passed) == len(files), result.stdout
+
+
+def test_the_job_carries_the_configs_text_and_restarts(rendered):
+    job = yaml.safe_load((rendered["train-gpu"] / "job-mlscale-digits.yaml").read_text())
+    config_map = yaml.safe_load((rendered["train-gpu"] / "configmap-mlscale-digits-config.yaml").read_text())
+    assert config_map["data"]["run.toml"] == (REPO / "examples" / "digits.toml").read_text()
+    trainer = job["spec"]["template"]["spec"]["containers"][0]
+    assert "--max-restarts=3" in trainer["command"]  # max_restarts = 3 in the config
+    assert "--nproc-per-node=8" in trainer["command"] and trainer["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert job["spec"]["completions"] == job["spec"]["parallelism"] == 4
+    registry = next(e for e in trainer["env"] if e["name"] == "MLSCALE_REGISTRY")
+    assert registry["valueFrom"]["secretKeyRef"] == {"name": "mlscale-registry", "key": "url"}
+
+
+def test_the_serving_pod_drains_within_its_grace_period(rendered):
+    deployment = yaml.safe_load((rendered["serve-fixed"] / "deployment-mlscale-digits.yaml").read_text())
+    pod = deployment["spec"]["template"]["spec"]
+    command = pod["containers"][0]["command"]
+    drain = float(command[command.index("--drain-delay-s") + 1])
+    exec_timeout = float(command[command.index("--exec-timeout-s") + 1])
+    assert drain == 15 and pod["terminationGracePeriodSeconds"] >= drain + exec_timeout + 10
+    assert deployment["spec"]["replicas"] == 2 and "--no-grpc" in command
+    assert not (rendered["serve-fixed"] / "horizontalpodautoscaler-mlscale-digits.yaml").exists()
+    autoscaled = yaml.safe_load((rendered["serve"] / "deployment-mlscale-digits.yaml").read_text())
+    assert "replicas" not in autoscaled["spec"]  # the autoscaler owns the count
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["k8s", "train", "--nodes", "0", "--image", IMAGE], "bad value nodes=0: must be at least 1"),
+    (["k8s", "train", "--nodes", "1", "--image", "mlscale"], "bad value image='mlscale': give a tag or a digest"),
+    (["k8s", "train", "--nodes", "1", "--image", "localhost:5000/mlscale"],
+     "bad value image='localhost:5000/mlscale': give a tag or a digest"),
+    (["k8s", "train", "--nodes", "2", "--image", IMAGE], "bad value nodes=2: more than one node needs "
+     "--checkpoint-volume"),
+    (["k8s", "train", "--nodes", "1", "--image", IMAGE, "--config", "missing.toml"], "cannot read config file"),
+    (["k8s", "train", "--nodes", "1", "--image", IMAGE, "--name", "Bad_Name"], "bad value name='Bad_Name'"),
+    (["k8s", "serve", "models:/digits/1", "--image", IMAGE, "--replicas", "0"], "bad value replicas=0"),
+    (["k8s", "serve", "models:/digits/1", "--image", IMAGE, "--replicas", "3", "--max-replicas", "2"],
+     "bad value max-replicas=2: must be at least --replicas (3)"),
+    (["k8s", "serve", "digits", "--image", IMAGE], "bad model URI 'digits'"),
+])
+def test_bad_input_exits_2_with_one_line(args, message):
+    result = mlscale(*args)
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"mlscale: error: {message}"), result.stderr
+
+
+def test_an_unknown_model_exits_2_when_the_registry_is_reachable(tmp_path):
+    from mlscale.registry import Registry
+
+    Registry(str(tmp_path / "registry"))  # reachable, and empty
+    result = mlscale("k8s", "serve", "models:/digits@production", "--image", IMAGE, registry=str(tmp_path / "registry"))
+    assert result.returncode == 2 and result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "digits" in lines[0], result.stderr
+    unreachable = mlscale("k8s", "serve", "models:/digits@production", "--image", IMAGE)
+    assert unreachable.returncode == 0 and "was not checked" in unreachable.stderr
