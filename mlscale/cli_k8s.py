@@ -8,20 +8,21 @@ from __future__ import annotations
 
 import argparse
 import sys
+import textwrap
 
 from mlscale.cli_models import add_registry_option
 
-TRAIN_DESCRIPTION = (
+TRAIN_DESCRIPTION = textwrap.fill(
     "An Indexed Job running `mlscale train --config` under torchrun on every pod, with the config used with "
     "`mlscale train --workers N` locally, mounted from a ConfigMap. Pod 0 hosts the rendezvous and is rank 0; "
     "the run directory and its checkpoints go to the shared volume, so a failed pod resumes from the newest "
     "checkpoint. A config error fails the Job at once (exit 2 of the check container); a disrupted pod is "
-    "retried without counting against --backoff-limit.")
-SERVE_DESCRIPTION = (
+    "retried without counting against --backoff-limit.", width=100)
+SERVE_DESCRIPTION = textwrap.fill(
     "A Deployment running `mlscale serve MODEL_URI`, with probes on the v2 health endpoints and a grace period "
     "that covers --drain-delay-s, so that a rolling update or a drained node loses no request; the registry "
     "location comes from a Secret. When the registry is reachable from here (--registry or $MLSCALE_REGISTRY), "
-    "the model URI is checked first.")
+    "the model URI is checked first.", width=100)
 
 TRAIN_EXAMPLES = """examples:
   mlscale k8s train --config run.toml --nodes 4 --gpus-per-node 8 --image registry.example/mlscale:0.1.0 \\

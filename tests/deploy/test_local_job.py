@@ -27,7 +27,7 @@ NODES = 2
 # window in which to kill a pod between two checkpoints.
 CONFIG = """task = "digits"
 dtype = "float64"
-steps = 40
+steps = 30
 checkpoint_every = 10
 max_restarts = 2
 simulated_compute_ms = 100
@@ -108,7 +108,9 @@ def test_the_rendered_job_trains_what_mlscale_train_workers_n_trains(config_file
     run_dir = claims["runs"] / by_kind(manifests, "Job")["metadata"]["name"]
     report = json.loads((run_dir / "report.json").read_text())
     assert report["status"] == "completed" and report["world_size"] == NODES and report["restarts"] == 0
-    assert _max_difference(load_file(run_dir / "final" / "model.safetensors"), reference) <= 1e-10
+    difference = _max_difference(load_file(run_dir / "final" / "model.safetensors"), reference)
+    print(f"job of {NODES} pods: max |weights - mlscale train --workers {NODES}| = {difference:.3g}")
+    assert difference <= 1e-10
 
 
 def test_a_killed_pod_is_retried_and_the_job_resumes_with_the_same_weights(config_file, reference, workdir):
@@ -118,7 +120,7 @@ def test_a_killed_pod_is_retried_and_the_job_resumes_with_the_same_weights(confi
     run_dir = claims["runs"] / by_kind(manifests, "Job")["metadata"]["name"]
     _start(*pods)
     try:
-        _wait_for_checkpoint(run_dir / "checkpoints", 20, pods)
+        _wait_for_checkpoint(run_dir / "checkpoints", 10, pods)
         pods[1].kill()  # its node is lost: the agent and the worker die together
         assert pods[1].process.returncode != 0  # a failed pod: the Job retries its index (backoffLimitPerIndex)
         _start(pods[1])  # the retry: the same command, the same index and name
@@ -128,11 +130,13 @@ def test_a_killed_pod_is_retried_and_the_job_resumes_with_the_same_weights(confi
         raise
     _finish(pods)
     report = json.loads((run_dir / "report.json").read_text())
-    assert report["status"] == "completed" and report["steps"] == 40
-    assert report["restarts"] >= 1 and report["resumed_from_step"] >= 20
+    assert report["status"] == "completed" and report["steps"] == 30
+    assert report["restarts"] >= 1 and report["resumed_from_step"] >= 10
     events = [json.loads(line) for line in (run_dir / "recovery.jsonl").read_text().splitlines()]
-    assert events and events[-1]["resumed_from_step"] >= 20
-    assert _max_difference(load_file(run_dir / "final" / "model.safetensors"), reference) <= 1e-10
+    assert events and events[-1]["resumed_from_step"] >= 10
+    difference = _max_difference(load_file(run_dir / "final" / "model.safetensors"), reference)
+    print(f"pod killed: {events[-1]}; max |weights - mlscale train --workers 2| = {difference:.3g}")
+    assert difference <= 1e-10
 
 
 def test_a_config_error_fails_in_the_check_container_with_exit_2(tmp_path, workdir):

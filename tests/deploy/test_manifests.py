@@ -170,3 +170,25 @@ def test_an_unknown_model_exits_2_when_the_registry_is_reachable(tmp_path):
     assert len(lines) == 1 and "digits" in lines[0], result.stderr
     unreachable = mlscale("k8s", "serve", "models:/digits@production", "--image", IMAGE)
     assert unreachable.returncode == 0 and "was not checked" in unreachable.stderr
+
+
+def test_the_scale_out_guide_renders_what_it_says_and_it_validates(tmp_path):
+    """docs/scale-out.md's marked blocks, in order, from a checkout's root (its examples/ copied)."""
+    from tests.test_readme import readme_script
+
+    shutil.copytree(REPO / "examples", tmp_path / "examples")
+    script = readme_script((REPO / "docs" / "scale-out.md").read_text())
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "MLSCALE_REGISTRY": str(tmp_path / "no-registry-here")}
+    result = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=180)
+    assert result.returncode == 0, f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    assert result.stdout.startswith("ok: task digits")
+    kinds = {folder.name: sorted(p.name.split("-")[0] for p in folder.iterdir())
+             for folder in (tmp_path / "k8s").iterdir()}
+    assert kinds == {"train": ["configmap", "job", "service"],
+                     "serve": ["deployment", "horizontalpodautoscaler", "poddisruptionbudget", "service"],
+                     "serve-queue": ["deployment", "horizontalpodautoscaler", "poddisruptionbudget", "service"]}
+    assert result.stdout.count(" passed for resource ") == 3  # the guide's own kubernetes-validate run
+    queue = yaml.safe_load((tmp_path / "k8s/serve-queue/horizontalpodautoscaler-mlscale-digits.yaml").read_text())
+    assert queue["spec"]["metrics"][0]["pods"]["metric"]["name"] == "mlscale_inference_pending_request_count"
