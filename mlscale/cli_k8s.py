@@ -75,12 +75,19 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="processes per pod without GPUs (default 1)")
     p.add_argument("--checkpoint-volume", metavar="CLAIM", help="a ReadWriteMany PersistentVolumeClaim for the "
                    "run directory and its checkpoints, shared by every pod (needed for more than one node)")
+    p.add_argument("--data-volume", metavar="CLAIM", help="a PersistentVolumeClaim mounted read-only at /mnt/data in "
+                   "every pod, for the files the config's task reads (name them under /mnt/data in the config)")
     p.add_argument("--max-restarts", type=int, metavar="R", help="torchrun's worker restarts per pod (default: "
                    "the config's max_restarts)")
     p.add_argument("--backoff-limit", type=int, default=3, metavar="B",
                    help="retries of each pod after a failure (backoffLimitPerIndex, default 3)")
     p.add_argument("--cpu", help="CPU request per pod, e.g. 8 or 500m")
     p.add_argument("--memory", help="memory request and limit per pod, e.g. 32Gi")
+    p.add_argument("--rendezvous-timeout-s", type=int, default=900, metavar="S",
+                   help="how long pods wait for each other at the rendezvous (default 900: an image pull on one "
+                   "node can take minutes)")
+    p.add_argument("--cluster-domain", default="cluster.local", help="the cluster's DNS domain, in pod 0's full "
+                   "name (default cluster.local)")
     p.add_argument("--register", metavar="NAME", help="register the final model under NAME (registry location "
                    "from the Secret --registry-secret)")
     p.add_argument("--registry-secret", default="mlscale-registry", metavar="SECRET",
@@ -117,18 +124,17 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     _common(p)
 
 
-def _emit(manifests: list[dict], output: str | None) -> None:
+def _emit(manifests: list[dict], output: str | None, notes: list[str]) -> None:
+    """The manifests, then the notes on stderr: a mistake found on the way is the only line printed."""
     from mlscale.deploy.manifests import to_yaml, write_manifests
 
-    if output is None:
-        sys.stdout.write(to_yaml(manifests))
-        return
-    for path in write_manifests(manifests, output):
+    text = to_yaml(manifests) if output is None else ""
+    paths = write_manifests(manifests, output) if output is not None else []
+    sys.stdout.write(text)
+    for path in paths:
         print(path)
-
-
-def _note(text: str) -> None:
-    print(f"mlscale: note: {text}", file=sys.stderr)
+    for note in notes:
+        print(f"mlscale: note: {note}", file=sys.stderr)
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -137,13 +143,13 @@ def _train(args: argparse.Namespace) -> int:
     job, notes = render_training_job(
         config_path=args.config, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
         procs_per_node=args.procs_per_node, image=args.image, name=args.name, namespace=args.namespace,
-        checkpoint_claim=args.checkpoint_volume, max_restarts=args.max_restarts, backoff_limit=args.backoff_limit,
-        cpu=args.cpu, memory=args.memory, register=args.register, registry_secret=args.registry_secret)
-    for note in notes:
-        _note(note)
+        checkpoint_claim=args.checkpoint_volume, data_claim=args.data_volume, max_restarts=args.max_restarts,
+        backoff_limit=args.backoff_limit, cpu=args.cpu, memory=args.memory, register=args.register,
+        registry_secret=args.registry_secret, cluster_domain=args.cluster_domain,
+        rendezvous_timeout_s=args.rendezvous_timeout_s)
     from mlscale.deploy.training import training_manifests
 
-    _emit(training_manifests(job), args.output)
+    _emit(training_manifests(job), args.output, notes)
     return 0
 
 
@@ -157,8 +163,6 @@ def _serve(args: argparse.Namespace) -> int:
         exec_timeout_s=args.exec_timeout_s, cpu=args.cpu, memory=args.memory, gpus=args.gpus,
         autoscale=args.autoscale, target_cpu_percent=args.target_cpu_percent, target_pending=args.target_pending,
         registry_secret=args.registry_secret, registry_claim=args.registry_volume, registry=args.registry)
-    for note in notes:
-        _note(note)
-    _emit(serving_manifests(spec), args.output)
+    _emit(serving_manifests(spec), args.output, notes)
     return 0
 

@@ -22,10 +22,12 @@ NO_CONFIG = "# mlscale train's defaults: no --config was given to mlscale k8s tr
 
 def render_training_job(*, config_path: str | None, nodes: int, image: str, gpus_per_node: int = 0,
                         procs_per_node: int = 1, name: str | None = None, namespace: str | None = None,
-                        checkpoint_claim: str | None = None, max_restarts: int | None = None,
+                        checkpoint_claim: str | None = None, data_claim: str | None = None,
+                        max_restarts: int | None = None,
                         backoff_limit: int = 3, cpu: str | None = None, memory: str | None = None,
-                        register: str | None = None,
-                        registry_secret: str = "mlscale-registry") -> tuple[TrainingJob, list[str]]:
+                        register: str | None = None, registry_secret: str = "mlscale-registry",
+                        cluster_domain: str = "cluster.local",
+                        rendezvous_timeout_s: int = 900) -> tuple[TrainingJob, list[str]]:
     """The Job for ``mlscale train --config CONFIG`` on ``nodes`` pods, and notes on what it implies."""
     from mlscale.config import build_config
     from mlscale.train.strategies import strategy_class
@@ -37,12 +39,13 @@ def render_training_job(*, config_path: str | None, nodes: int, image: str, gpus
 
         check_name(register)
     job = TrainingJob(
-        name=name or default_name(config.task, longest=62 - len(str(max(nodes, 1) - 1))), image=image, nodes=nodes,
+        name=name or default_name("train", config.task, longest=62 - len(str(max(nodes, 1) - 1))), image=image,
+        nodes=nodes,
         config_text=text, config_file=config_file_name(config_path), gpus_per_node=gpus_per_node,
-        procs_per_node=procs_per_node, namespace=namespace, checkpoint_claim=checkpoint_claim,
+        procs_per_node=procs_per_node, namespace=namespace, checkpoint_claim=checkpoint_claim, data_claim=data_claim,
         max_restarts=config.max_restarts if max_restarts is None else max_restarts,
         backoff_limit_per_index=backoff_limit, cpu=cpu, memory=memory, register=register,
-        registry_secret=registry_secret)
+        registry_secret=registry_secret, cluster_domain=cluster_domain, rendezvous_timeout_s=rendezvous_timeout_s)
     strategy_class(config.strategy).check(config, job.world_size)
     notes = []
     if "workers" in config.model_fields_set and config.workers != job.world_size:
@@ -65,7 +68,11 @@ def render_serving(*, uri: str, image: str, replicas: int = 2, name: str | None 
     spec = ServingDeployment(name=name or default_name(parsed.name), model_uri=uri, image=image, replicas=replicas,
                              **options)
     unchecked = _look_up(uri, registry)  # last: a mistake in the flags is reported before any note
-    return spec, [unchecked] if unchecked else []
+    notes = [unchecked] if unchecked else []
+    if spec.replicas == 1:
+        notes.append("one replica: a rolling update adds a pod before removing it, but a node drain (the "
+                     "disruption budget allows one pod down) or a lost node leaves no pod serving")
+    return spec, notes
 
 
 def _look_up(uri: str, location: str | None) -> str | None:

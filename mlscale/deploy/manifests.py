@@ -6,6 +6,8 @@ engine): what is rendered is what is reviewed, validated against the API's schem
 
 from __future__ import annotations
 
+import hashlib
+import math
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -19,8 +21,12 @@ from mlscale.errors import UsageError
 # backoffLimitPerIndex are GA (stable) from 1.33 on; podFailurePolicy from 1.31.
 MIN_KUBERNETES = "1.33"
 DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")  # RFC 1035 label: Service and Job names
-_DIGEST = re.compile(r"@sha256:[0-9a-f]{64}$")
+DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")  # claims, Secrets
+_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 _TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+_PATH_COMPONENT = re.compile(r"^[a-z0-9]+((\.|_|__|-+)[a-z0-9]+)*$")  # the OCI distribution spec's
+_CPU = re.compile(r"^([0-9]+(\.[0-9]+)?|[0-9]+m)$")
+_MEMORY = re.compile(r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
 
 Manifest = dict[str, Any]
 
@@ -31,12 +37,34 @@ def check_count(flag: str, value: int, least: int = 1) -> int:
     return value
 
 
+def check_seconds(flag: str, value: float, positive: bool = False) -> float:
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        raise UsageError(f"bad value {flag}={value:g}: seconds, a finite number {'> 0' if positive else '>= 0'}")
+    return value
+
+
 def check_name(flag: str, name: str, longest: int = 63) -> str:
-    """A Kubernetes object name that is also a DNS label (Services and Jobs need one)."""
+    """A Kubernetes object name that is also a DNS label (Services, Jobs and namespaces need one)."""
     if len(name) > longest or not DNS_LABEL.match(name):
         raise UsageError(f"bad value {flag}={name!r}: use at most {longest} lowercase letters, digits and '-', "
                          "starting with a letter and ending with a letter or digit")
     return name
+
+
+def check_reference(flag: str, name: str | None) -> str | None:
+    """The name of an object the manifests refer to (a PersistentVolumeClaim, a Secret): a DNS subdomain."""
+    if name is not None and (len(name) > 253 or not DNS_SUBDOMAIN.match(name)):
+        raise UsageError(f"bad value {flag}={name!r}: a Kubernetes object name (lowercase letters, digits, '-' "
+                         "and '.', starting and ending with a letter or digit)")
+    return name
+
+
+def check_quantity(flag: str, value: str | None, kind: str) -> str | None:
+    """A CPU (``4``, ``0.5``, ``500m``) or memory (``8Gi``, ``512Mi``) quantity as Kubernetes writes it."""
+    pattern, example = (_CPU, "4, 0.5 or 500m") if kind == "cpu" else (_MEMORY, "8Gi or 512Mi")
+    if value is not None and not pattern.match(value):
+        raise UsageError(f"bad value {flag}={value!r}: a {kind} quantity such as {example}")
+    return value
 
 
 def default_name(*parts: str, longest: int = 63) -> str:
@@ -48,14 +76,22 @@ def default_name(*parts: str, longest: int = 63) -> str:
 def check_image(image: str) -> str:
     """An image pinned by a tag or a digest: an untagged image means whatever ``latest`` is when a node
     pulls it, so two pods of one job could run different code."""
-    if _DIGEST.search(image):
-        return image
-    name, _, tag = image.rpartition("/")[2].partition(":")
-    if not name or not tag:
+    reference, at, digest = image.partition("@")
+    if at and not _DIGEST.match(digest):
+        raise UsageError(f"bad value image={image!r}: a digest is @sha256: and 64 hexadecimal digits")
+    head, _, last = reference.rpartition("/")
+    repository, _, tag = last.partition(":")
+    if not at and not tag:
         raise UsageError(f"bad value image={image!r}: give a tag or a digest (REPOSITORY:TAG or "
                          "REPOSITORY@sha256:...), so that every pod runs the same code")
-    if not _TAG.match(tag):
+    if tag and not _TAG.match(tag):
         raise UsageError(f"bad value image={image!r}: the tag {tag!r} is not a valid image tag")
+    path = [*head.split("/"), repository] if head else [repository]
+    if len(path) > 1 and ("." in path[0] or ":" in path[0] or path[0] == "localhost"):
+        path = path[1:]  # a registry host (and port): not held to the repository's lowercase rule
+    if not all(_PATH_COMPONENT.match(part) for part in path):
+        raise UsageError(f"bad value image={image!r}: a repository name is lowercase letters, digits and "
+                         "separators (., _, -)")
     return image
 
 
@@ -88,6 +124,20 @@ def resources(cpu: str | None, memory: str | None, gpus: int) -> dict[str, Any]:
     if limits:
         out["limits"] = limits
     return out
+
+
+IMAGE_USER = 10001  # the Dockerfile's user
+
+
+def pod_security() -> dict[str, Any]:
+    """Not root, as the image's user; volumes group-owned by it (a checkpoint claim on a fresh disk is
+    root's), changed only when the volume's root does not match already."""
+    return {"runAsNonRoot": True, "runAsUser": IMAGE_USER, "runAsGroup": IMAGE_USER, "fsGroup": IMAGE_USER,
+            "fsGroupChangePolicy": "OnRootMismatch"}
+
+
+def content_hash(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:10]
 
 
 def secret_env(name: str, secret: str, key: str, optional: bool = False) -> dict[str, Any]:

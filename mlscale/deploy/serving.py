@@ -30,8 +30,12 @@ from mlscale.deploy.manifests import (
     check_count,
     check_image,
     check_name,
+    check_quantity,
+    check_reference,
+    check_seconds,
     labels,
     metadata,
+    pod_security,
     resources,
     secret_env,
 )
@@ -74,8 +78,14 @@ class ServingDeployment:
         if self.max_replicas is not None and self.max_replicas < self.replicas:
             raise UsageError(f"bad value max-replicas={self.max_replicas}: must be at least --replicas "
                              f"({self.replicas})")
-        if self.drain_delay_s < 0 or self.exec_timeout_s <= 0:
-            raise UsageError("bad value drain-delay-s or exec-timeout-s: the delay must be >= 0 and the timeout > 0")
+        check_seconds("drain-delay-s", self.drain_delay_s)
+        check_seconds("exec-timeout-s", self.exec_timeout_s, positive=True)
+        if self.namespace is not None:
+            check_name("namespace", self.namespace)
+        check_reference("registry-secret", self.registry_secret)
+        check_reference("registry-volume", self.registry_claim)
+        check_quantity("cpu", self.cpu, "cpu")
+        check_quantity("memory", self.memory, "memory")
         check_count("target-cpu-percent", self.target_cpu_percent)
         check_count("target-pending", self.target_pending)
 
@@ -119,10 +129,12 @@ def _container(spec: ServingDeployment) -> dict[str, Any]:
     container: dict[str, Any] = {
         "name": "server", "image": spec.image, "command": serve_command(spec), "env": env, "ports": ports,
         "startupProbe": _probe("/v2/health/live", period_s=2, failures=60, timeout_s=2),  # 2 minutes to start
-        "readinessProbe": _probe("/v2/health/ready", period_s=2, failures=1, timeout_s=2),
+        # two misses take a pod out: a deleted pod leaves the Service's endpoints without a probe, so
+        # one slow answer under load need not
+        "readinessProbe": _probe("/v2/health/ready", period_s=2, failures=2, timeout_s=2),
         "livenessProbe": _probe("/v2/health/live", period_s=10, failures=3, timeout_s=5),
         "resources": resources(spec.cpu, spec.memory, spec.gpus),
-        "securityContext": {"allowPrivilegeEscalation": False, "runAsNonRoot": True},
+        "securityContext": {"allowPrivilegeEscalation": False},
     }
     if spec.registry_claim:
         container["volumeMounts"] = [{"name": "registry", "mountPath": REGISTRY_DIR}]
@@ -133,6 +145,7 @@ def _deployment(spec: ServingDeployment) -> Manifest:
     pod_labels = labels(spec.name, "serving")
     pod: dict[str, Any] = {
         "terminationGracePeriodSeconds": spec.grace_period_s,
+        "securityContext": pod_security(),
         "containers": [_container(spec)],
         # replicas on different nodes where the cluster allows: one node lost is not the whole service
         "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname",

@@ -4,9 +4,12 @@ The pattern of the Kubernetes documentation (and of Kubeflow Trainer and JobSet 
 
 - an Indexed Job with ``completions = parallelism = nodes``: pod ``i`` is named ``<job>-<i>`` and,
   with the headless Service of the same name as its subdomain, resolvable as ``<job>-<i>.<job>``;
-- torchrun on every pod, with c10d rendezvous on pod 0 (``<job>-0.<job>:29500``). The rendezvous
-  orders nodes by name, and ``<job>-0`` sorts first: pod 0 is node rank 0, which writes the run
-  directory and hosts the store;
+- torchrun on every pod, with c10d rendezvous on pod 0, named by its full name
+  (``<job>-0.<job>.<namespace>.svc.<cluster domain>:29500``): the one pod 0 finds in its own
+  /etc/hosts, so it hosts the store without waiting for cluster DNS, and the others resolve through
+  it. The rendezvous orders nodes by name, and ``<job>-0.`` sorts first: pod 0 is node rank 0, which
+  writes the run directory. Pods wait up to ``rendezvous_timeout_s`` for each other (an image pull on
+  one node can take minutes; torch's default is 60 s);
 - an init container runs ``mlscale train --check`` on the mounted config: a configuration error exits
   2 there, and the pod failure policy fails the whole Job at once instead of retrying it;
 - a disrupted pod (preemption, eviction, a drained node) is retried without counting against the
@@ -28,8 +31,12 @@ from mlscale.deploy.manifests import (
     check_count,
     check_image,
     check_name,
+    check_quantity,
+    check_reference,
+    content_hash,
     labels,
     metadata,
+    pod_security,
     resources,
     secret_env,
 )
@@ -38,6 +45,7 @@ from mlscale.errors import UsageError
 RENDEZVOUS_PORT = 29500
 CONFIG_DIR = "/mnt/config"
 CHECKPOINT_DIR = "/mnt/checkpoints"
+DATA_DIR = "/mnt/data"
 CHECK_CONTAINER = "check"
 TRAIN_CONTAINER = "trainer"
 CONFIG_ERROR_EXIT = 2  # mlscale's exit code for bad usage or configuration
@@ -56,22 +64,36 @@ class TrainingJob:
     procs_per_node: int = 1  # processes per pod without GPUs
     namespace: str | None = None
     checkpoint_claim: str | None = None
+    data_claim: str | None = None  # read-only at /mnt/data: the files a config's task reads (Parquet, entities)
     max_restarts: int = 0
     backoff_limit_per_index: int = 3
     cpu: str | None = None
     memory: str | None = None
     register: str | None = None
     registry_secret: str = "mlscale-registry"
+    cluster_domain: str = "cluster.local"
+    rendezvous_timeout_s: int = 900
 
     def __post_init__(self) -> None:
         check_count("nodes", self.nodes)
         check_count("gpus-per-node", self.gpus_per_node, least=0)
         check_count("procs-per-node", self.procs_per_node)
+        if self.gpus_per_node and self.procs_per_node != 1:
+            raise UsageError(f"bad value procs-per-node={self.procs_per_node}: with --gpus-per-node a pod runs one "
+                             "process per GPU")
         check_count("max-restarts", self.max_restarts, least=0)
         check_count("backoff-limit", self.backoff_limit_per_index, least=0)
         # pod hostnames are <name>-<index>, and a hostname is a DNS label of at most 63 characters
         check_name("name", self.name, longest=62 - len(str(self.nodes - 1)))
         check_image(self.image)
+        if self.namespace is not None:
+            check_name("namespace", self.namespace)
+        for flag, name in (("checkpoint-volume", self.checkpoint_claim), ("data-volume", self.data_claim),
+                           ("registry-secret", self.registry_secret), ("cluster-domain", self.cluster_domain)):
+            check_reference(flag, name)
+        check_quantity("cpu", self.cpu, "cpu")
+        check_quantity("memory", self.memory, "memory")
+        check_count("rendezvous-timeout-s", self.rendezvous_timeout_s)
         if self.nodes > 1 and self.checkpoint_claim is None:
             raise UsageError(f"bad value nodes={self.nodes}: more than one node needs --checkpoint-volume CLAIM, a "
                              "PersistentVolumeClaim (ReadWriteMany) that every pod mounts: each rank writes its part "
@@ -95,7 +117,14 @@ class TrainingJob:
 
     @property
     def rendezvous_endpoint(self) -> str:
-        return f"{self.name}-0.{self.name}:{RENDEZVOUS_PORT}"
+        """Pod 0's full DNS name (the namespace from the downward API, expanded by the kubelet)."""
+        return f"{self.name}-0.{self.name}.$(POD_NAMESPACE).svc.{self.cluster_domain}:{RENDEZVOUS_PORT}"
+
+    @property
+    def config_map_name(self) -> str:
+        """Named by its content (as kustomize's generators do), and immutable: a pod retried while the
+        Job runs reads the config the Job started with, whatever was applied since."""
+        return f"{self.name}-config-{content_hash(self.config_text)}"
 
 
 def training_manifests(job: TrainingJob) -> list[Manifest]:
@@ -107,6 +136,7 @@ def torchrun_command(job: TrainingJob) -> list[str]:
     """The trainer container's command: the same ``mlscale train`` as on a laptop, under torchrun."""
     command = ["torchrun", f"--nnodes={job.nodes}", f"--nproc-per-node={job.processes_per_node}",
                "--rdzv-backend=c10d", f"--rdzv-endpoint={job.rendezvous_endpoint}", f"--rdzv-id={job.name}",
+               f"--rdzv-conf=join_timeout={job.rendezvous_timeout_s},read_timeout={job.rendezvous_timeout_s}",
                f"--max-restarts={job.max_restarts}",
                "-m", "mlscale", "train", "--config", job.config_path, "--run-dir", job.run_dir, "--resume"]
     if job.register:
@@ -120,8 +150,8 @@ def check_command(job: TrainingJob) -> list[str]:
 
 def _config_map(job: TrainingJob) -> Manifest:
     return {"apiVersion": "v1", "kind": "ConfigMap",
-            "metadata": metadata(f"{job.name}-config", job.namespace, "training", instance=job.name),
-            "data": {job.config_file: job.config_text}}
+            "metadata": metadata(job.config_map_name, job.namespace, "training", instance=job.name),
+            "immutable": True, "data": {job.config_file: job.config_text}}
 
 
 def _headless_service(job: TrainingJob) -> Manifest:
@@ -137,9 +167,10 @@ def _headless_service(job: TrainingJob) -> Manifest:
 
 def _environment(job: TrainingJob) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
-        # Every round of the rendezvous gets a fresh store for the workers. The shared store (torch's
-        # default) keys worker groups by each pod's own restart count, and a replaced pod starts again
-        # from 0 while its peers do not: its workers would never meet theirs.
+        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
+        # Every round of the rendezvous gets a fresh store for the workers. With torch's default, the
+        # workers share pod 0's agent store across rounds, and a restarted group can read the keys the
+        # previous round left there (measured: gloo then hangs connecting to an old address).
         {"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"},
         {"name": "PYTHONUNBUFFERED", "value": "1"},
     ]
@@ -167,7 +198,7 @@ def _volumes(job: TrainingJob) -> tuple[list[dict[str, Any]], list[dict[str, Any
     checkpoints: dict[str, Any] = {"persistentVolumeClaim": {"claimName": job.checkpoint_claim}} \
         if job.checkpoint_claim else {"emptyDir": {}}
     volumes = [
-        {"name": "config", "configMap": {"name": f"{job.name}-config"}},
+        {"name": "config", "configMap": {"name": job.config_map_name}},
         {"name": "checkpoints", **checkpoints},
         # DataLoader workers and NCCL share memory through /dev/shm, 64 MiB by default in a container
         {"name": "shm", "emptyDir": {"medium": "Memory"}},
@@ -177,6 +208,9 @@ def _volumes(job: TrainingJob) -> tuple[list[dict[str, Any]], list[dict[str, Any
         {"name": "checkpoints", "mountPath": CHECKPOINT_DIR},
         {"name": "shm", "mountPath": "/dev/shm"},
     ]
+    if job.data_claim:
+        volumes.append({"name": "data", "persistentVolumeClaim": {"claimName": job.data_claim, "readOnly": True}})
+        mounts.append({"name": "data", "mountPath": DATA_DIR, "readOnly": True})
     return volumes, mounts
 
 
@@ -216,6 +250,7 @@ def _job(job: TrainingJob) -> Manifest:
                 "spec": {
                     "subdomain": job.name,  # with the headless Service: <job>-<index>.<job> resolves
                     "restartPolicy": "Never",  # the Job retries a failed pod (required by podFailurePolicy)
+                    "securityContext": pod_security(),
                     "initContainers": [check],
                     "containers": [trainer],
                     "volumes": volumes,

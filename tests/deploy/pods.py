@@ -3,9 +3,12 @@
 A pod here is its containers' exact commands, each in its own PID, mount and UTS namespace
 (``unshare``): the pod's hostname; its volumes mounted at their paths (a ConfigMap as a folder of
 its keys, a PersistentVolumeClaim as a folder every pod shares, an emptyDir of medium Memory as a
-tmpfs); an ``/etc/hosts`` that maps every pod's name, as the cluster's DNS would, to its own
-loopback address (127.0.0.10 + index); the container's environment with ``$(VAR)`` expanded in the
-command as the kubelet does; ``JOB_COMPLETION_INDEX`` for an Indexed Job. Killing a pod kills its
+tmpfs); an ``/etc/hosts`` with a loopback address per pod (127.0.0.10 + index) for its full name and
+its hostname, the lines the kubelet writes for a pod's own name, here for every pod since there is no
+cluster DNS to answer for the others (so only full names resolve across pods, as with cluster DNS
+and a headless Service, plus the short hostname); the container's environment (literal values,
+Secret keys, the downward API's namespace and name) with ``$(VAR)`` expanded in the command as the
+kubelet does; ``JOB_COMPLETION_INDEX`` for an Indexed Job. Killing a pod kills its
 PID namespace: every process in it, as when a node is lost. The "image" is this test run's Python
 environment (its ``bin`` first on PATH). The network is the machine's, shared by the pods.
 """
@@ -26,6 +29,9 @@ from typing import Any
 from tests.conftest import unavailable
 
 NAMESPACE = "default"
+# a user namespace where this user is not root: mounts and the hostname are then allowed inside
+_UNSHARE = ["unshare", "--pid", "--fork", "--kill-child", "--mount", "--uts",
+            *([] if os.geteuid() == 0 else ["--map-root-user"])]
 _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
 
@@ -33,8 +39,8 @@ def require_namespaces() -> None:
     """Skip (fail in CI) where this user cannot make PID, mount and UTS namespaces."""
     if shutil.which("unshare") is None:
         unavailable("no unshare command (util-linux): pods cannot be imitated here")
-    probe = subprocess.run(["unshare", "--pid", "--fork", "--mount", "--uts", "sh", "-c",
-                            "mount -t tmpfs probe /mnt && hostname probe"], capture_output=True, text=True)
+    probe = subprocess.run([*_UNSHARE, "sh", "-c", "mount -t tmpfs probe /mnt && hostname probe"],
+                           capture_output=True, text=True)
     if probe.returncode != 0:
         unavailable(f"cannot make PID, mount and UTS namespaces here ({probe.stderr.strip()})")
 
@@ -52,7 +58,7 @@ def hosts_file(path: Path, pod_names: list[str], subdomain: str) -> Path:
     lines = ["127.0.0.1 localhost"]
     for index, name in enumerate(pod_names):
         fqdn = f"{name}.{subdomain}.{NAMESPACE}.svc.cluster.local"
-        lines.append(f"127.0.0.{10 + index} {fqdn} {name}.{subdomain} {name}")
+        lines.append(f"127.0.0.{10 + index} {fqdn} {name}")
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -98,6 +104,10 @@ class Pod:
             if "value" in item:
                 env[item["name"]] = item["value"]
                 continue
+            field = item["valueFrom"].get("fieldRef", {}).get("fieldPath")
+            if field is not None:  # the downward API
+                env[item["name"]] = {"metadata.namespace": NAMESPACE, "metadata.name": self.name}[field]
+                continue
             ref = item["valueFrom"]["secretKeyRef"]  # the only other source the manifests use
             value = self.secrets.get(ref["name"], {}).get(ref["key"])
             assert value is not None or ref.get("optional"), f"secret {ref} missing: the pod would not start"
@@ -128,8 +138,7 @@ class Pod:
         container = self.container(container_name)
         env = self.environment(container)
         command = expand(command or container["command"] + container.get("args", []), env)
-        argv = ["unshare", "--pid", "--fork", "--kill-child", "--mount", "--uts",
-                "sh", "-c", self._script(container), "pod", *command]
+        argv = [*_UNSHARE, "sh", "-c", self._script(container), "pod", *command]
         with open(self.log, "a") as log:
             log.write(f"--- {container_name}: {shlex.join(command)}\n")
             log.flush()

@@ -1,8 +1,9 @@
 """A stand-in for a Kubernetes Service in front of local replicas: what kube-proxy does, in small.
 
 Connections (not requests) are spread round robin over the replicas in rotation, and bytes are
-copied both ways; a replica enters the rotation when its readiness probe passes and leaves it when
-the probe fails (probed every ``period_s``, as the kubelet does with the manifest's readinessProbe).
+copied both ways; a replica enters the rotation when its readiness probe passes and leaves it after
+``failures`` probes in a row fail (probed every ``period_s``, as the kubelet does with the manifest's
+readinessProbe).
 Like kube-proxy, leaving the rotation does not cut a connection already made to that replica, and
 nothing is retried: a request that fails reaches the client.
 """
@@ -21,11 +22,12 @@ class Replica:
     name: str
     port: int
     ready: bool = False
+    failed: int = 0  # probes failed in a row
 
 
 class ServiceProxy:
-    def __init__(self, probe_path: str, period_s: float, timeout_s: float) -> None:
-        self.probe_path, self.period_s, self.timeout_s = probe_path, period_s, timeout_s
+    def __init__(self, probe_path: str, period_s: float, timeout_s: float, failures: int) -> None:
+        self.probe_path, self.period_s, self.timeout_s, self.failures = probe_path, period_s, timeout_s, failures
         self.replicas: list[Replica] = []
         self.connections: Counter[str] = Counter()  # replica name -> connections routed to it
         self.refused = 0  # connections that found no replica in rotation, or whose replica refused them
@@ -93,7 +95,11 @@ class ServiceProxy:
     async def _probe_forever(self) -> None:
         while True:
             for replica in list(self.replicas):
-                replica.ready = await self._probe(replica.port)
+                if await self._probe(replica.port):
+                    replica.ready, replica.failed = True, 0
+                else:
+                    replica.failed += 1
+                    replica.ready = replica.ready and replica.failed < self.failures
             await asyncio.sleep(self.period_s)
 
     async def _probe(self, port: int) -> bool:

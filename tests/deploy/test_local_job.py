@@ -8,7 +8,6 @@ shared checkpoint and ends with the same weights.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -100,11 +99,21 @@ def _finish(pods) -> None:
 
 
 def test_the_rendered_job_trains_what_mlscale_train_workers_n_trains(config_file, reference, workdir):
+    """Also: pod 0 is rank 0, whatever the order the pods come in. The success policy waits for index 0,
+    so index 0 must be the rank that writes the report: the rendezvous orders nodes by name, and
+    '<job>-0.' sorts before '<job>-1', '<job>-10', ... Rank 0 prints the summary: in pod 0's log only."""
     root, claims = workdir
     manifests = _render(config_file)
+    job = by_kind(manifests, "Job")
+    assert job["spec"]["successPolicy"] == {"rules": [{"succeededIndexes": "0"}]}
     pods = job_pods(manifests, root, claims)
-    _start(*pods)
+    _start(*reversed(pods))  # pod 1 first
     _finish(pods)
+    logs = [pod.log.read_text() for pod in pods]
+    assert "final loss" in logs[0] and all("final loss" not in log for log in logs[1:])
+    name = job["metadata"]["name"]
+    names = [f"{name}-{i}.{name}.default.svc.cluster.local" for i in range(12)]
+    assert sorted(names)[0] == names[0]  # and so for any number of pods
     run_dir = claims["runs"] / by_kind(manifests, "Job")["metadata"]["name"]
     report = json.loads((run_dir / "report.json").read_text())
     assert report["status"] == "completed" and report["world_size"] == NODES and report["restarts"] == 0
@@ -153,17 +162,3 @@ def test_a_config_error_fails_in_the_check_container_with_exit_2(tmp_path, workd
     assert pod.run("check", timeout=60) == 2
     last = pod.log.read_text().strip().splitlines()[-1]
     assert last.startswith("mlscale: error: bad value batch-size=100000")
-
-
-def test_pod_zero_hosts_the_rendezvous_and_is_rank_zero(config_file):
-    """The success policy waits for index 0, so index 0 must be the rank that writes the report: the
-    rendezvous orders nodes by name, and '<job>-0.' sorts before '<job>-1', '<job>-10', ... ."""
-    manifests = _render(config_file)
-    job = by_kind(manifests, "Job")
-    name = job["metadata"]["name"]
-    assert job["spec"]["successPolicy"] == {"rules": [{"succeededIndexes": "0"}]}
-    command = job["spec"]["template"]["spec"]["containers"][0]["command"]
-    assert f"--rdzv-endpoint={name}-0.{name}:29500" in command
-    names = [f"{name}-{i}.{name}.default.svc.cluster.local" for i in range(12)]
-    assert sorted(names)[0] == names[0]
-    assert os.path.basename(command[0]) == "torchrun"

@@ -30,7 +30,7 @@ NEWEST_KUBERNETES = "1.37"
 CASES = {
     "train-gpu": ["k8s", "train", "--config", "examples/digits.toml", "--nodes", "4", "--gpus-per-node", "8",
                   "--image", f"{IMAGE}-cuda", "--checkpoint-volume", "mlscale-runs", "--namespace", "ml",
-                  "--memory", "256Gi", "--register", "digits"],
+                  "--memory", "256Gi", "--register", "digits", "--data-volume", "mlscale-data"],
     "train-cpu": ["k8s", "train", "--config", "examples/digits.toml", "--nodes", "2", "--cpu", "4", "--memory", "8Gi",
                   "--image", IMAGE, "--checkpoint-volume", "mlscale-runs"],
     "serve": ["k8s", "serve", "models:/digits@production", "--image", IMAGE, "--replicas", "2"],
@@ -114,15 +114,25 @@ def test_every_manifest_passes_kubernetes_validate_strict(version):
 
 
 def test_the_job_carries_the_configs_text_and_restarts(rendered):
-    job = yaml.safe_load((rendered["train-gpu"] / "job-mlscale-digits.yaml").read_text())
-    config_map = yaml.safe_load((rendered["train-gpu"] / "configmap-mlscale-digits-config.yaml").read_text())
+    job = yaml.safe_load((rendered["train-gpu"] / "job-mlscale-train-digits.yaml").read_text())
+    config_map = yaml.safe_load(next(rendered["train-gpu"].glob("configmap-*.yaml")).read_text())
     assert config_map["data"]["run.toml"] == (REPO / "examples" / "digits.toml").read_text()
+    assert config_map["immutable"] is True
+    volumes = {v["name"]: v for v in job["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["config"]["configMap"]["name"] == config_map["metadata"]["name"]
     trainer = job["spec"]["template"]["spec"]["containers"][0]
     assert "--max-restarts=3" in trainer["command"]  # max_restarts = 3 in the config
     assert "--nproc-per-node=8" in trainer["command"] and trainer["resources"]["limits"]["nvidia.com/gpu"] == 8
     assert job["spec"]["completions"] == job["spec"]["parallelism"] == 4
     registry = next(e for e in trainer["env"] if e["name"] == "MLSCALE_REGISTRY")
     assert registry["valueFrom"]["secretKeyRef"] == {"name": "mlscale-registry", "key": "url"}
+
+
+def test_a_job_and_a_deployment_of_one_model_do_not_share_an_object_name(rendered):
+    """The guide's flow, train then serve in one namespace: their default names must not collide."""
+    objects = [(m["kind"], m["metadata"]["name"]) for case in ("train-cpu", "serve")
+               for m in (yaml.safe_load(p.read_text()) for p in rendered[case].iterdir())]
+    assert len(objects) == len(set(objects)), objects
 
 
 def test_the_serving_pod_drains_within_its_grace_period(rendered):
@@ -146,6 +156,8 @@ def test_the_serving_pod_drains_within_its_grace_period(rendered):
     (["k8s", "train", "--nodes", "2", "--image", IMAGE], "bad value nodes=2: more than one node needs "
      "--checkpoint-volume"),
     (["k8s", "train", "--nodes", "1", "--image", IMAGE, "--config", "missing.toml"], "cannot read config file"),
+    (["k8s", "train", "--nodes", "1", "--image", IMAGE, "--gpus-per-node", "8", "--procs-per-node", "2"],
+     "bad value procs-per-node=2: with --gpus-per-node a pod runs one process per GPU"),
     (["k8s", "train", "--nodes", "1", "--image", IMAGE, "--name", "Bad_Name"], "bad value name='Bad_Name'"),
     (["k8s", "serve", "models:/digits/1", "--image", IMAGE, "--replicas", "0"], "bad value replicas=0"),
     (["k8s", "serve", "models:/digits/1", "--image", IMAGE, "--replicas", "3", "--max-replicas", "2"],

@@ -25,7 +25,7 @@ from tests.deploy.pods import Pod, by_kind, hosts_file, require_namespaces
 from tests.deploy.service_proxy import ServiceProxy
 from tests.serve.conftest import free_port, infer_body
 
-DRAIN_DELAY_S = 4.0  # more than the readiness probe's period (2 s): the proxy sees the 503 in time
+DRAIN_DELAY_S = 6.0  # more than the readiness probe's period x failures (2 s x 2): the proxy sees the 503s in time
 LOAD_RATE, LOAD_S = 100, 16.0
 
 
@@ -78,7 +78,9 @@ def test_a_rolling_update_under_load_loses_no_request(registry_location, tmp_pat
         _wait(lambda: pod.name in proxy.in_rotation(), 90, f"{pod.name} never became ready: {pod.log.read_text()}")
         return pod
 
-    with ServiceProxy(probe["httpGet"]["path"], probe["periodSeconds"], probe["timeoutSeconds"]) as proxy:
+    assert probe["periodSeconds"] * probe["failureThreshold"] < DRAIN_DELAY_S
+    with ServiceProxy(probe["httpGet"]["path"], probe["periodSeconds"], probe["timeoutSeconds"],
+                      probe["failureThreshold"]) as proxy:
         try:
             old = [new_pod(proxy), new_pod(proxy)]
             body = json.dumps(infer_body([[0.5] * 64]))
