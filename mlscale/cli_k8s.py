@@ -144,7 +144,7 @@ def _train(args: argparse.Namespace) -> int:
         config_path=args.config, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
         procs_per_node=args.procs_per_node, image=args.image, name=args.name, namespace=args.namespace,
         checkpoint_claim=args.checkpoint_volume, data_claim=args.data_volume, max_restarts=args.max_restarts,
-        backoff_limit=args.backoff_limit, cpu=args.cpu, memory=args.memory, register=args.register,
+        backoff_limit_per_index=args.backoff_limit, cpu=args.cpu, memory=args.memory, register=args.register,
         registry_secret=args.registry_secret, cluster_domain=args.cluster_domain,
         rendezvous_timeout_s=args.rendezvous_timeout_s)
     from mlscale.deploy.training import training_manifests

@@ -8,6 +8,7 @@ return the spec to render with notes for the user; a mistake is a ``UsageError``
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from mlscale.deploy.manifests import MIN_KUBERNETES, default_name, to_yaml, write_manifests
 from mlscale.deploy.serving import ServingDeployment, serving_manifests
@@ -20,32 +21,23 @@ __all__ = ["MIN_KUBERNETES", "ServingDeployment", "TrainingJob", "render_serving
 NO_CONFIG = "# mlscale train's defaults: no --config was given to mlscale k8s train\n"
 
 
-def render_training_job(*, config_path: str | None, nodes: int, image: str, gpus_per_node: int = 0,
-                        procs_per_node: int = 1, name: str | None = None, namespace: str | None = None,
-                        checkpoint_claim: str | None = None, data_claim: str | None = None,
-                        max_restarts: int | None = None,
-                        backoff_limit: int = 3, cpu: str | None = None, memory: str | None = None,
-                        register: str | None = None, registry_secret: str = "mlscale-registry",
-                        cluster_domain: str = "cluster.local",
-                        rendezvous_timeout_s: int = 900) -> tuple[TrainingJob, list[str]]:
-    """The Job for ``mlscale train --config CONFIG`` on ``nodes`` pods, and notes on what it implies."""
+def render_training_job(*, config_path: str | None, nodes: int, image: str, name: str | None = None,
+                        max_restarts: int | None = None, **options: Any) -> tuple[TrainingJob, list[str]]:
+    """The Job for ``mlscale train --config CONFIG`` on ``nodes`` pods, and notes on what it implies.
+    ``options``: the other fields of ``TrainingJob``; ``max_restarts`` defaults to the config's."""
     from mlscale.config import build_config
     from mlscale.train.strategies import strategy_class
 
     config = build_config(config_path)
-    text = _read(config_path) if config_path else NO_CONFIG
-    if register:
+    if options.get("register"):
         from mlscale.registry.uri import check_name
 
-        check_name(register)
+        check_name(options["register"])
     job = TrainingJob(
         name=name or default_name("train", config.task, longest=62 - len(str(max(nodes, 1) - 1))), image=image,
-        nodes=nodes,
-        config_text=text, config_file=config_file_name(config_path), gpus_per_node=gpus_per_node,
-        procs_per_node=procs_per_node, namespace=namespace, checkpoint_claim=checkpoint_claim, data_claim=data_claim,
-        max_restarts=config.max_restarts if max_restarts is None else max_restarts,
-        backoff_limit_per_index=backoff_limit, cpu=cpu, memory=memory, register=register,
-        registry_secret=registry_secret, cluster_domain=cluster_domain, rendezvous_timeout_s=rendezvous_timeout_s)
+        nodes=nodes, config_text=_read(config_path) if config_path else NO_CONFIG,
+        config_file=config_file_name(config_path),
+        max_restarts=config.max_restarts if max_restarts is None else max_restarts, **options)
     strategy_class(config.strategy).check(config, job.world_size)
     notes = []
     if "workers" in config.model_fields_set and config.workers != job.world_size:
@@ -53,14 +45,14 @@ def render_training_job(*, config_path: str | None, nodes: int, image: str, gpus
                      f"process(es) ({nodes} node(s) x {job.processes_per_node})")
     if not config.checkpoint_every:
         notes.append("the config has no checkpoint_every: a pod that fails restarts the run from step 0")
-    if checkpoint_claim is None:
+    if job.checkpoint_claim is None:
         notes.append("no --checkpoint-volume: the run directory is on the pod's own disk (emptyDir) and goes "
                      "with the pod")
     return job, notes
 
 
 def render_serving(*, uri: str, image: str, replicas: int = 2, name: str | None = None,
-                   registry: str | None = None, **options) -> tuple[ServingDeployment, list[str]]:
+                   registry: str | None = None, **options: Any) -> tuple[ServingDeployment, list[str]]:
     """The Deployment serving ``uri``; the URI is looked up when the registry can be opened from here."""
     from mlscale.registry.uri import parse_uri
 

@@ -15,11 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from mlscale.deploy import render_training_job, training_manifests
 from tests.deploy.pods import by_kind, job_pods, require_namespaces
-from tests.helpers import REPO
+from tests.helpers import REPO, final_weights, max_abs_diff
 
 NODES = 2
 # float64, so that "the same training" can be checked to 1e-10; a fixed compute time per step gives a
@@ -50,7 +49,7 @@ def reference(config_file, tmp_path_factory) -> dict[str, torch.Tensor]:
                              str(NODES), "--run-dir", str(run_dir), "--no-progress", "--no-plot"],
                             capture_output=True, text=True, timeout=POD_TIMEOUT_S, cwd=REPO)
     assert result.returncode == 0, result.stderr
-    return load_file(run_dir / "final" / "model.safetensors")
+    return final_weights(run_dir)
 
 
 def _render(config_file: Path) -> list[dict]:
@@ -66,11 +65,6 @@ def _start(*pods) -> None:
         assert check.wait(timeout=POD_TIMEOUT_S) == 0, pod.log.read_text()
     for pod in pods:
         pod.start("trainer")
-
-
-def _max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
 def _wait_for_checkpoint(folder: Path, step: int, pods, timeout: float = POD_TIMEOUT_S) -> None:
@@ -117,7 +111,7 @@ def test_the_rendered_job_trains_what_mlscale_train_workers_n_trains(config_file
     run_dir = claims["runs"] / by_kind(manifests, "Job")["metadata"]["name"]
     report = json.loads((run_dir / "report.json").read_text())
     assert report["status"] == "completed" and report["world_size"] == NODES and report["restarts"] == 0
-    difference = _max_difference(load_file(run_dir / "final" / "model.safetensors"), reference)
+    difference = max_abs_diff(final_weights(run_dir), reference)
     print(f"job of {NODES} pods: max |weights - mlscale train --workers {NODES}| = {difference:.3g}")
     assert difference <= 1e-10
 
@@ -143,7 +137,7 @@ def test_a_killed_pod_is_retried_and_the_job_resumes_with_the_same_weights(confi
     assert report["restarts"] >= 1 and report["resumed_from_step"] >= 10
     events = [json.loads(line) for line in (run_dir / "recovery.jsonl").read_text().splitlines()]
     assert events and events[-1]["resumed_from_step"] >= 10
-    difference = _max_difference(load_file(run_dir / "final" / "model.safetensors"), reference)
+    difference = max_abs_diff(final_weights(run_dir), reference)
     print(f"pod killed: {events[-1]}; max |weights - mlscale train --workers 2| = {difference:.3g}")
     assert difference <= 1e-10
 
