@@ -316,7 +316,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _leave_if_in_a_process_group(code: int) -> int:
+    """A process that is still in a torch.distributed group (``mlscale train`` under torchrun) exits
+    here without interpreter teardown: the group's destructors can abort (SIGABRT) on gloo, turning a
+    finished run into a failed worker. Everything is on disk and flushed by now."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        from mlscale.train.worker import leave
+
+        leave(code)
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
+    return _leave_if_in_a_process_group(_main(argv))
+
+
+def _main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # named by the sub-command they were given to, as argparse would inside it

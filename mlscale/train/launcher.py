@@ -175,10 +175,13 @@ def _prepare(config: TrainConfig, run_dir: RunDir) -> None:
 
 
 def _run_here(config: TrainConfig, run_dir: RunDir, rank: int) -> dict[str, Any]:
+    """Under an external torchrun the process group is left up when training ends: tearing a gloo group
+    down aborted about one exit in fifteen here ("terminate called without an active exception", a
+    SIGABRT that fails the pod or host). ``mlscale train`` then exits without running destructors."""
     if rank == 0 and under_launcher():
         run_dir.write_config(config.model_dump())
     try:
-        return run_worker(config, run_dir)
+        return run_worker(config, run_dir, destroy_group=not under_launcher())
     except (KeyboardInterrupt, UsageError):
         raise
     except Exception as exc:
