@@ -335,6 +335,8 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
+    if unknown[:1] == ["--"] and hasattr(args, "passed_on"):  # a command that passes flags on to another
+        args.passed_on, unknown = unknown[1:], []
     if unknown:  # named by the sub-command they were given to, as argparse would inside it
         words = [getattr(args, key, None) for key in ("command", "action", "what")]
         prog = " ".join(["mlscale", *(word for word in words if word)])

@@ -11,6 +11,7 @@ import sys
 import textwrap
 
 from mlscale.cli_models import add_registry_option
+from mlscale.errors import UsageError
 
 TRAIN_DESCRIPTION = textwrap.fill(
     "An Indexed Job running `mlscale train --config` under torchrun on every pod, with the config used with "
@@ -22,7 +23,8 @@ SERVE_DESCRIPTION = textwrap.fill(
     "A Deployment running `mlscale serve MODEL_URI`, with probes on the v2 health endpoints and a grace period "
     "that covers --drain-delay-s, so that a rolling update or a drained node loses no request; the registry "
     "location comes from a Secret. When the registry is reachable from here (--registry or $MLSCALE_REGISTRY), "
-    "the model URI is checked first.", width=100)
+    "the model URI is checked first. Flags after -- go to mlscale serve in the pods (batching, cache, SLO, "
+    "online store), checked here as mlscale serve would.", width=100)
 
 TRAIN_EXAMPLES = """examples:
   mlscale k8s train --config run.toml --nodes 4 --gpus-per-node 8 --image registry.example/mlscale:0.1.0 \\
@@ -34,7 +36,7 @@ TRAIN_EXAMPLES = """examples:
 SERVE_EXAMPLES = """examples:
   mlscale k8s serve models:/digits@production --image registry.example/mlscale:0.1.0 --replicas 2
   mlscale k8s serve models:/digits@production --image mlscale:0.1.0-cpu --replicas 3 --max-replicas 12 \\
-      --autoscale pending-requests -o k8s/
+      --autoscale pending-requests -o k8s/ -- --max-batch-size 64 --slo-ms 50
 
 The Secret the pods read the registry location from (key url; key artifacts, optional, for the
 artifact folder of a database registry):
@@ -54,7 +56,8 @@ def add_k8s(sub: argparse._SubParsersAction) -> None:
     serve = k8s.add_parser("serve", help="a Deployment, Service, PodDisruptionBudget and autoscaler",
                            description=SERVE_DESCRIPTION, arguments="mlscale.cli_k8s:add_serve_arguments",
                            epilog=SERVE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    serve.set_defaults(handler=_serve)
+    # after --: more `mlscale serve` flags for the pods (--max-batch-size 64 --slo-ms 50 --online-store ...)
+    serve.set_defaults(handler=_serve, passed_on=[])
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -124,6 +127,21 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     _common(p)
 
 
+def _checked_serve_args(uri: str, serve_args: list[str]) -> tuple[list[str], float]:
+    """The flags after --, parsed as `mlscale serve` parses them (a bad one exits 2 here, not in the
+    pods); and the queue timeout they set, which the grace period must cover."""
+    from mlscale.cli_parsers import Parser
+    from mlscale.cli_serve import add_serve_arguments
+    from mlscale.deploy.serving import QUEUE_WAIT_S
+
+    parser = Parser(prog="mlscale serve")
+    add_serve_arguments(parser)
+    parsed = parser.parse_args([uri, *serve_args])
+    if len(parsed.uris) > 1:
+        raise UsageError(f"bad value {parsed.uris[1]!r} after --: one model URI per Deployment")
+    return serve_args, parsed.timeout_ms / 1000 if parsed.timeout_ms is not None else QUEUE_WAIT_S
+
+
 def _emit(manifests: list[dict], output: str | None, notes: list[str]) -> None:
     """The manifests, then the notes on stderr: a mistake found on the way is the only line printed."""
     from mlscale.deploy.manifests import to_yaml, write_manifests
@@ -157,8 +175,10 @@ def _serve(args: argparse.Namespace) -> int:
     from mlscale.deploy import render_serving
     from mlscale.deploy.serving import serving_manifests
 
+    serve_args, queue_wait_s = _checked_serve_args(args.uri, args.passed_on)
     spec, notes = render_serving(
-        uri=args.uri, image=args.image, replicas=args.replicas, max_replicas=args.max_replicas,
+        uri=args.uri, serve_args=tuple(serve_args), queue_wait_s=queue_wait_s, image=args.image,
+        replicas=args.replicas, max_replicas=args.max_replicas,
         name=args.name, namespace=args.namespace, grpc=not args.no_grpc, drain_delay_s=args.drain_delay_s,
         exec_timeout_s=args.exec_timeout_s, cpu=args.cpu, memory=args.memory, gpus=args.gpus,
         autoscale=args.autoscale, target_cpu_percent=args.target_cpu_percent, target_pending=args.target_pending,

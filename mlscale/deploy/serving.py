@@ -44,8 +44,11 @@ from mlscale.errors import UsageError
 HTTP_PORT, GRPC_PORT = 8000, 8001
 REGISTRY_DIR = "/mnt/registry"
 PENDING_METRIC = "mlscale_inference_pending_request_count"
-QUEUE_WAIT_S = 10  # mlscale serve's --timeout-ms default: the longest a request waits in the queue
+QUEUE_WAIT_S = 10.0  # mlscale serve's --timeout-ms default: the longest a request waits in the queue
 MARGIN_S = 5
+# flags of `mlscale serve` the manifests set themselves (the probes, ports and grace period depend on them)
+MANAGED_FLAGS = ("--host", "--port", "--grpc-port", "--no-grpc", "--drain-delay-s", "--exec-timeout-s",
+                 "--registry")
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,8 @@ class ServingDeployment:
     target_pending: int = 8
     registry_secret: str = "mlscale-registry"
     registry_claim: str | None = None
+    serve_args: tuple[str, ...] = ()  # more `mlscale serve` flags (batching, cache, SLO, online store...)
+    queue_wait_s: float = QUEUE_WAIT_S  # the --timeout-ms among them, in seconds
 
     def __post_init__(self) -> None:
         check_name("name", self.name)
@@ -86,6 +91,11 @@ class ServingDeployment:
         check_reference("registry-volume", self.registry_claim)
         check_quantity("cpu", self.cpu, "cpu")
         check_quantity("memory", self.memory, "memory")
+        check_seconds("timeout-ms", self.queue_wait_s, positive=True)
+        for arg in self.serve_args:
+            if arg.split("=", 1)[0] in MANAGED_FLAGS:
+                raise UsageError(f"bad value {arg!r} after --: the manifests set {arg.split('=', 1)[0]} themselves "
+                                 "(use the mlscale k8s serve flag of that name)")
         check_count("target-cpu-percent", self.target_cpu_percent)
         check_count("target-pending", self.target_pending)
 
@@ -96,7 +106,7 @@ class ServingDeployment:
     @property
     def grace_period_s(self) -> int:
         """SIGTERM to exit, at most: drain, then a queued request's wait and its model call."""
-        return math.ceil(self.drain_delay_s + QUEUE_WAIT_S + self.exec_timeout_s + MARGIN_S)
+        return math.ceil(self.drain_delay_s + self.queue_wait_s + self.exec_timeout_s + MARGIN_S)
 
 
 def serving_manifests(spec: ServingDeployment) -> list[Manifest]:
@@ -111,7 +121,7 @@ def serve_command(spec: ServingDeployment) -> list[str]:
     command = ["mlscale", "serve", spec.model_uri, "--host", "0.0.0.0", "--port", str(HTTP_PORT),
                "--drain-delay-s", f"{spec.drain_delay_s:g}", "--exec-timeout-s", f"{spec.exec_timeout_s:g}"]
     command += ["--grpc-port", str(GRPC_PORT)] if spec.grpc else ["--no-grpc"]
-    return command
+    return command + list(spec.serve_args)
 
 
 def _probe(path: str, period_s: int, failures: int, timeout_s: int) -> dict[str, Any]:

@@ -36,7 +36,8 @@ CASES = {
     "serve": ["k8s", "serve", "models:/digits@production", "--image", IMAGE, "--replicas", "2"],
     "serve-pending": ["k8s", "serve", "models:/digits@production", "--image", IMAGE, "--replicas", "3",
                       "--max-replicas", "12", "--autoscale", "pending-requests", "--namespace", "ml", "--gpus", "1",
-                      "--registry-volume", "mlscale-registry"],
+                      "--registry-volume", "mlscale-registry", "--", "--max-batch-size", "64", "--slo-ms", "50",
+                      "--timeout-ms", "20000"],
     "serve-fixed": ["k8s", "serve", "models:/digits/3", "--image", f"{IMAGE}@sha256:{'0' * 64}", "--replicas", "2",
                     "--max-replicas", "2", "--no-grpc", "--drain-delay-s", "15"],
 }
@@ -57,7 +58,10 @@ def mlscale(*args: str, registry: str = "/nonexistent-registry") -> Result:
     try:
         os.chdir(REPO)
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main(list(args))
+            try:
+                code = main(list(args))
+            except SystemExit as exc:  # argparse's way out (exit 2 on a bad flag)
+                code = exc.code
     finally:
         os.chdir(cwd)
         if saved is None:
@@ -73,7 +77,7 @@ def rendered(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("rendered")
     out = {}
     for case, args in CASES.items():
-        result = mlscale(*args, "-o", str(root / case))
+        result = mlscale(*args[:2], "-o", str(root / case), *args[2:])  # flags after -- are mlscale serve's
         assert result.returncode == 0, result.stderr
         out[case] = root / case
     return out
@@ -143,6 +147,11 @@ def test_the_serving_pod_drains_within_its_grace_period(rendered):
     exec_timeout = float(command[command.index("--exec-timeout-s") + 1])
     assert drain == 15 and pod["terminationGracePeriodSeconds"] >= drain + exec_timeout + 10
     assert deployment["spec"]["replicas"] == 2 and "--no-grpc" in command
+    pending = yaml.safe_load((rendered["serve-pending"] / "deployment-mlscale-digits.yaml").read_text())
+    pod = pending["spec"]["template"]["spec"]
+    command = pod["containers"][0]["command"]
+    assert command[-6:] == ["--max-batch-size", "64", "--slo-ms", "50", "--timeout-ms", "20000"]  # after --
+    assert pod["terminationGracePeriodSeconds"] == 10 + 20 + 30 + 5  # drain + queue timeout + exec timeout
     assert not (rendered["serve-fixed"] / "horizontalpodautoscaler-mlscale-digits.yaml").exists()
     autoscaled = yaml.safe_load((rendered["serve"] / "deployment-mlscale-digits.yaml").read_text())
     assert "replicas" not in autoscaled["spec"]  # the autoscaler owns the count
@@ -163,13 +172,17 @@ def test_the_serving_pod_drains_within_its_grace_period(rendered):
     (["k8s", "serve", "models:/digits/1", "--image", IMAGE, "--replicas", "3", "--max-replicas", "2"],
      "bad value max-replicas=2: must be at least --replicas (3)"),
     (["k8s", "serve", "digits", "--image", IMAGE], "bad model URI 'digits'"),
+    (["k8s", "serve", "models:/digits/1", "--image", IMAGE, "--", "--port", "9"],
+     "bad value '--port' after --: the manifests set --port themselves"),
+    (["k8s", "serve", "models:/digits/1", "--image", IMAGE, "--", "--cache-mb", "lots"], None),
 ])
 def test_bad_input_exits_2_with_one_line(args, message):
     result = mlscale(*args)
     assert result.returncode == 2, result.stderr
     assert result.stdout == ""
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"mlscale: error: {message}"), result.stderr
+    expected = f"mlscale: error: {message}" if message else "mlscale serve: error: argument --cache-mb"
+    assert len(lines) == 1 and lines[0].startswith(expected), result.stderr
 
 
 def test_an_unknown_model_exits_2_when_the_registry_is_reachable(tmp_path):
