@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from typing import Any
 
 from mlscale.cli_features import add_features
@@ -201,7 +202,7 @@ def _train(args: argparse.Namespace) -> int:
         from mlscale.registry.uri import check_name
 
         check_name(args.register)
-    report = fit(config)
+    report = fit(config, keep_group=True)  # `run` leaves the process without tearing the group down
     if not report:  # not rank 0 under torchrun: rank 0 reports (and registers)
         return 0
     if args.register:  # opened (created if new) only now: a refused job leaves no registry behind
@@ -316,27 +317,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _leave_if_in_a_process_group(code: int) -> int:
-    """A process that is still in a torch.distributed group (``mlscale train`` under torchrun) exits
-    here without interpreter teardown: the group's destructors can abort (SIGABRT) on gloo, turning a
-    finished run into a failed worker. Everything is on disk and flushed by now."""
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
+def run() -> None:
+    """The ``mlscale`` command (and ``python -m mlscale``): ``main``, then the exit.
+
+    A process still in the process group mlscale made (``mlscale train`` under torchrun) exits without
+    interpreter teardown: a gloo group's destructors can abort (SIGABRT), turning a finished run into a
+    failed worker. An error nothing else caught is printed first, and is exit 1."""
+    try:
+        code = main()
+    except SystemExit as exc:  # argparse, --help, --version
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    if "mlscale.train.dist" in sys.modules and sys.modules["mlscale.train.dist"].owns_process_group():
         from mlscale.train.worker import leave
 
         leave(code)
-    return code
+    sys.exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:
-    return _leave_if_in_a_process_group(_main(argv))
-
-
-def _main(argv: list[str] | None = None) -> int:
+    """Parse and run one command; returns its exit code (never exits the process)."""
+    args_list = sys.argv[1:] if argv is None else list(argv)
+    passed_on: list[str] | None = None
+    if "--" in args_list:  # what follows is for another program (mlscale k8s serve -- SERVE FLAGS)
+        at = args_list.index("--")
+        args_list, passed_on = args_list[:at], args_list[at + 1:]
     parser = build_parser()
-    args, unknown = parser.parse_known_args(argv)
-    if unknown[:1] == ["--"] and hasattr(args, "passed_on"):  # a command that passes flags on to another
-        args.passed_on, unknown = unknown[1:], []
+    args, unknown = parser.parse_known_args(args_list)
+    if passed_on is not None:
+        if hasattr(args, "passed_on"):
+            args.passed_on = passed_on
+        else:
+            unknown += ["--", *passed_on]
     if unknown:  # named by the sub-command they were given to, as argparse would inside it
         words = [getattr(args, key, None) for key in ("command", "action", "what")]
         prog = " ".join(["mlscale", *(word for word in words if word)])
@@ -358,4 +372,4 @@ def _main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -127,19 +127,19 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     _common(p)
 
 
-def _checked_serve_args(uri: str, serve_args: list[str]) -> tuple[list[str], float]:
-    """The flags after --, parsed as `mlscale serve` parses them (a bad one exits 2 here, not in the
-    pods); and the queue timeout they set, which the grace period must cover."""
+def _checked_serve_args(uri: str, serve_args: list[str]) -> list[str]:
+    """The flags after --, checked as `mlscale serve` checks them (its parser, then its options model),
+    so a bad one exits 2 here and not in the pods."""
     from mlscale.cli_parsers import Parser
-    from mlscale.cli_serve import add_serve_arguments
-    from mlscale.deploy.serving import QUEUE_WAIT_S
+    from mlscale.cli_serve import add_serve_arguments, options_from_args
 
-    parser = Parser(prog="mlscale serve")
+    parser = Parser(prog="mlscale serve", add_help=False)  # --help here would render nothing and exit 0
     add_serve_arguments(parser)
     parsed = parser.parse_args([uri, *serve_args])
     if len(parsed.uris) > 1:
         raise UsageError(f"bad value {parsed.uris[1]!r} after --: one model URI per Deployment")
-    return serve_args, parsed.timeout_ms / 1000 if parsed.timeout_ms is not None else QUEUE_WAIT_S
+    options_from_args(parsed)
+    return serve_args
 
 
 def _emit(manifests: list[dict], output: str | None, notes: list[str]) -> None:
@@ -175,9 +175,9 @@ def _serve(args: argparse.Namespace) -> int:
     from mlscale.deploy import render_serving
     from mlscale.deploy.serving import serving_manifests
 
-    serve_args, queue_wait_s = _checked_serve_args(args.uri, args.passed_on)
+    serve_args = _checked_serve_args(args.uri, args.passed_on)
     spec, notes = render_serving(
-        uri=args.uri, serve_args=tuple(serve_args), queue_wait_s=queue_wait_s, image=args.image,
+        uri=args.uri, serve_args=tuple(serve_args), image=args.image,
         replicas=args.replicas, max_replicas=args.max_replicas,
         name=args.name, namespace=args.namespace, grpc=not args.no_grpc, drain_delay_s=args.drain_delay_s,
         exec_timeout_s=args.exec_timeout_s, cpu=args.cpu, memory=args.memory, gpus=args.gpus,

@@ -4,8 +4,12 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from mlscale.cli_models import add_registry_option
+
+if TYPE_CHECKING:
+    from mlscale.serve.options import ServeOptions
 
 # flag -> type; the ServeOptions field of the same name (dashes for underscores) has the default and help
 _FLAGS = {"--host": str, "--port": int, "--grpc-port": int, "--max-batch-size": int, "--max-delay-ms": float,
@@ -52,13 +56,19 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     add_registry_option(p)
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from mlscale.serve import serve
+def options_from_args(args: argparse.Namespace) -> ServeOptions:
+    """The validated options of the parsed flags (a bad value is a one-line UsageError)."""
     from mlscale.serve.options import serve_options
 
     names = [flag[2:].replace("-", "_") for flag in _FLAGS] + ["runtime", "precision"]
     options = serve_options(**{name: getattr(args, name) for name in names})
     if args.no_grpc:
         options = options.model_copy(update={"grpc_port": None})
-    serve(args.uris, options=options, registry_location=args.registry)
+    return options
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from mlscale.serve import serve
+
+    serve(args.uris, options=options_from_args(args), registry_location=args.registry)
     return 0

@@ -37,9 +37,10 @@ def check_count(flag: str, value: int, least: int = 1) -> int:
     return value
 
 
-def check_seconds(flag: str, value: float, positive: bool = False) -> float:
-    if not math.isfinite(value) or value < 0 or (positive and value == 0):
-        raise UsageError(f"bad value {flag}={value:g}: seconds, a finite number {'> 0' if positive else '>= 0'}")
+def check_seconds(flag: str, value: float, positive: bool = False, most: float = math.inf) -> float:
+    if not math.isfinite(value) or value < 0 or (positive and value == 0) or value > most:
+        bounds = f"{'> 0' if positive else '>= 0'}{f' and at most {most:g}' if math.isfinite(most) else ''}"
+        raise UsageError(f"bad value {flag}={value:g}: seconds, a number {bounds}")
     return value
 
 

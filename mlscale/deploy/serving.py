@@ -6,9 +6,9 @@
 - Shutdown: when a pod is deleted, Kubernetes sends SIGTERM and removes it from the Service at the
   same time, and the removal takes a moment to reach every node. ``mlscale serve`` answers
   readiness 503 at once but goes on serving for ``--drain-delay-s``; then it stops listening and
-  finishes the requests in flight. ``terminationGracePeriodSeconds`` covers all of that (drain delay
-  + the longest queue wait + the longest model call + a margin), so the kubelet never has to SIGKILL
-  a pod that is still answering. During the drain, answers carry ``Connection: close``, so clients on
+  finishes the requests in flight, for at most 30 s. ``terminationGracePeriodSeconds`` covers all of
+  that (drain delay + those 30 s + a margin), so the kubelet never has to SIGKILL a pod that is still
+  answering. During the drain, answers carry ``Connection: close``, so clients on
   keep-alive connections reconnect to a pod that stays.
 - A rolling update adds a new pod before it removes an old one (maxSurge 1, maxUnavailable 0), and a
   PodDisruptionBudget lets voluntary disruptions (node drains) take one pod at a time.
@@ -44,8 +44,9 @@ from mlscale.errors import UsageError
 HTTP_PORT, GRPC_PORT = 8000, 8001
 REGISTRY_DIR = "/mnt/registry"
 PENDING_METRIC = "mlscale_inference_pending_request_count"
-QUEUE_WAIT_S = 10.0  # mlscale serve's --timeout-ms default: the longest a request waits in the queue
+FINISH_IN_FLIGHT_S = 30  # mlscale serve's bound on finishing requests in flight once it stops listening
 MARGIN_S = 5
+MOST_DRAIN_S = 3600
 # flags of `mlscale serve` the manifests set themselves (the probes, ports and grace period depend on them)
 MANAGED_FLAGS = ("--host", "--port", "--grpc-port", "--no-grpc", "--drain-delay-s", "--exec-timeout-s",
                  "--registry")
@@ -73,7 +74,6 @@ class ServingDeployment:
     registry_secret: str = "mlscale-registry"
     registry_claim: str | None = None
     serve_args: tuple[str, ...] = ()  # more `mlscale serve` flags (batching, cache, SLO, online store...)
-    queue_wait_s: float = QUEUE_WAIT_S  # the --timeout-ms among them, in seconds
 
     def __post_init__(self) -> None:
         check_name("name", self.name)
@@ -83,15 +83,14 @@ class ServingDeployment:
         if self.max_replicas is not None and self.max_replicas < self.replicas:
             raise UsageError(f"bad value max-replicas={self.max_replicas}: must be at least --replicas "
                              f"({self.replicas})")
-        check_seconds("drain-delay-s", self.drain_delay_s)
-        check_seconds("exec-timeout-s", self.exec_timeout_s, positive=True)
+        check_seconds("drain-delay-s", self.drain_delay_s, most=MOST_DRAIN_S)
+        check_seconds("exec-timeout-s", self.exec_timeout_s, positive=True, most=MOST_DRAIN_S)
         if self.namespace is not None:
             check_name("namespace", self.namespace)
         check_reference("registry-secret", self.registry_secret)
         check_reference("registry-volume", self.registry_claim)
         check_quantity("cpu", self.cpu, "cpu")
         check_quantity("memory", self.memory, "memory")
-        check_seconds("timeout-ms", self.queue_wait_s, positive=True)
         for arg in self.serve_args:
             if arg.split("=", 1)[0] in MANAGED_FLAGS:
                 raise UsageError(f"bad value {arg!r} after --: the manifests set {arg.split('=', 1)[0]} themselves "
@@ -105,8 +104,9 @@ class ServingDeployment:
 
     @property
     def grace_period_s(self) -> int:
-        """SIGTERM to exit, at most: drain, then a queued request's wait and its model call."""
-        return math.ceil(self.drain_delay_s + self.queue_wait_s + self.exec_timeout_s + MARGIN_S)
+        """SIGTERM to exit, at most: the drain delay, then the server's bound on finishing what is in
+        flight (a request still queued or computing past it is cut: the server, not the kubelet, says so)."""
+        return math.ceil(self.drain_delay_s + FINISH_IN_FLIGHT_S + MARGIN_S)
 
 
 def serving_manifests(spec: ServingDeployment) -> list[Manifest]:

@@ -34,6 +34,14 @@ class DistEnv:
         return self.rank == 0
 
 
+_OWN_GROUP = False  # init_distributed made the default process group (not a caller of ours)
+
+
+def owns_process_group() -> bool:
+    """True while the default process group that ``init_distributed`` made is up."""
+    return _OWN_GROUP and dist.is_initialized()
+
+
 def under_launcher() -> bool:
     """True inside a worker started by torchrun or the elastic agent."""
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
@@ -89,6 +97,8 @@ def init_distributed(device_preference: str = "auto", timeout_s: float = 300.0) 
         dist.init_process_group(backend, store=_attempt_store(attempt, world, timeout), rank=rank,
                                 world_size=world, timeout=timeout,
                                 device_id=device if device.type == "cuda" else None)
+        global _OWN_GROUP
+        _OWN_GROUP = True
     if world > 1:
         attempt = _agreed_attempt(attempt, device)
     return DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=device, attempt=attempt)

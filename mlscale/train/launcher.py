@@ -38,11 +38,13 @@ from mlscale.train.worker import run_worker, save_traceback, traceback_path
 _TIMEOUT = re.compile(r"timed out|timeout", re.I)
 
 
-def fit(config: TrainConfig) -> dict[str, Any]:
+def fit(config: TrainConfig, *, keep_group: bool = False) -> dict[str, Any]:
     """Run a training job to the end; returns ``report.json`` (its keys: docs/architecture.md) as a dict.
 
     With ``resume``, the run's saved configuration is the base and only the fields given explicitly
-    (``--steps``, ``--workers``...) override it."""
+    (``--steps``, ``--workers``...) override it. ``keep_group``: under an external torchrun, leave the
+    process group up at the end instead of destroying it (``mlscale train`` does, then exits the process
+    without teardown: tearing a gloo group down aborted about one exit in fifteen here)."""
     if config.resume and config.run_dir is not None:
         # Under torchrun every rank does this; rank 0 rewrites config.json atomically with the same
         # merge, so a rank reading it before or after the rewrite gets the same configuration.
@@ -57,7 +59,7 @@ def fit(config: TrainConfig) -> dict[str, Any]:
     run_dir = RunDir(config.run_dir)
     os.environ.setdefault(JOB_START_ENV, str(time.time()))
     if under_launcher():
-        return _run_here(config, run_dir, rank=int(os.environ.get("RANK", 0)))
+        return _run_here(config, run_dir, rank=int(os.environ.get("RANK", 0)), keep_group=keep_group)
     with _unchanged_unless_it_trains(run_dir):
         _prepare(config, run_dir)
         if world == 1:
@@ -174,14 +176,11 @@ def _prepare(config: TrainConfig, run_dir: RunDir) -> None:
     run_dir.write_config(config.model_dump())
 
 
-def _run_here(config: TrainConfig, run_dir: RunDir, rank: int) -> dict[str, Any]:
-    """Under an external torchrun the process group is left up when training ends: tearing a gloo group
-    down aborted about one exit in fifteen here ("terminate called without an active exception", a
-    SIGABRT that fails the pod or host). ``mlscale train`` then exits without running destructors."""
+def _run_here(config: TrainConfig, run_dir: RunDir, rank: int, keep_group: bool = False) -> dict[str, Any]:
     if rank == 0 and under_launcher():
         run_dir.write_config(config.model_dump())
     try:
-        return run_worker(config, run_dir, destroy_group=not under_launcher())
+        return run_worker(config, run_dir, destroy_group=not keep_group)
     except (KeyboardInterrupt, UsageError):
         raise
     except Exception as exc:

@@ -8,6 +8,7 @@ and prints nothing, so the user sees one error instead of one traceback per rank
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import traceback
@@ -79,8 +80,9 @@ def leave(code: int) -> None:
     while a group was torn down; after a collective timed out, a group's pending work can also throw on
     teardown ("terminate called after throwing ... std::runtime_error"), turning a clean, recorded
     failure into a SIGABRT that hides its cause. All work and the error are on disk by now."""
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # closed, or a pipe whose reader went away
+            stream.flush()
     os._exit(code)
 
 

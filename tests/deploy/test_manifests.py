@@ -22,6 +22,8 @@ import yaml
 
 from mlscale.cli import main
 from mlscale.deploy import MIN_KUBERNETES
+from mlscale.deploy.serving import FINISH_IN_FLIGHT_S
+from mlscale.serve.app import GRPC_GRACE_S
 from tests.helpers import REPO
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -144,14 +146,13 @@ def test_the_serving_pod_drains_within_its_grace_period(rendered):
     pod = deployment["spec"]["template"]["spec"]
     command = pod["containers"][0]["command"]
     drain = float(command[command.index("--drain-delay-s") + 1])
-    exec_timeout = float(command[command.index("--exec-timeout-s") + 1])
-    assert drain == 15 and pod["terminationGracePeriodSeconds"] >= drain + exec_timeout + 10
+    assert drain == 15 and pod["terminationGracePeriodSeconds"] == drain + FINISH_IN_FLIGHT_S + 5
+    assert FINISH_IN_FLIGHT_S == GRPC_GRACE_S  # the server's own bound on finishing requests in flight
     assert deployment["spec"]["replicas"] == 2 and "--no-grpc" in command
     pending = yaml.safe_load((rendered["serve-pending"] / "deployment-mlscale-digits.yaml").read_text())
     pod = pending["spec"]["template"]["spec"]
     command = pod["containers"][0]["command"]
     assert command[-6:] == ["--max-batch-size", "64", "--slo-ms", "50", "--timeout-ms", "20000"]  # after --
-    assert pod["terminationGracePeriodSeconds"] == 10 + 20 + 30 + 5  # drain + queue timeout + exec timeout
     assert not (rendered["serve-fixed"] / "horizontalpodautoscaler-mlscale-digits.yaml").exists()
     autoscaled = yaml.safe_load((rendered["serve"] / "deployment-mlscale-digits.yaml").read_text())
     assert "replicas" not in autoscaled["spec"]  # the autoscaler owns the count
@@ -174,14 +175,23 @@ def test_the_serving_pod_drains_within_its_grace_period(rendered):
     (["k8s", "serve", "digits", "--image", IMAGE], "bad model URI 'digits'"),
     (["k8s", "serve", "models:/digits/1", "--image", IMAGE, "--", "--port", "9"],
      "bad value '--port' after --: the manifests set --port themselves"),
-    (["k8s", "serve", "models:/digits/1", "--image", IMAGE, "--", "--cache-mb", "lots"], None),
+    (["k8s", "serve", "models:/digits/1", "--image", IMAGE, "--", "--cache-mb", "lots"],
+     "mlscale serve: error: argument --cache-mb"),
+    (["k8s", "serve", "models:/digits/1", "--image", IMAGE, "--", "--port=9"], "bad value '--port=9' after --"),
+    (["k8s", "serve", "models:/digits/1", "--image", IMAGE, "--", "--max-batch-size", "0"],
+     "bad value max-batch-size=0"),
+    (["k8s", "serve", "models:/digits/1", "--image", IMAGE, "--", "--help"], "mlscale serve: error: unrecognized"),
+    (["k8s", "serve", "--image", IMAGE, "--", "models:/digits/1"], "mlscale k8s serve: error: the following"),
+    (["k8s", "train", "--nodes", "1", "--image", IMAGE, "--", "--steps", "3"],
+     "mlscale k8s train: error: unrecognized"),
+    (["k8s", "serve", "models:/digits/1", "--image", IMAGE, "--drain-delay-s", "1e300"], "bad value drain-delay-s"),
 ])
 def test_bad_input_exits_2_with_one_line(args, message):
     result = mlscale(*args)
     assert result.returncode == 2, result.stderr
     assert result.stdout == ""
     lines = result.stderr.strip().splitlines()
-    expected = f"mlscale: error: {message}" if message else "mlscale serve: error: argument --cache-mb"
+    expected = message if message.startswith("mlscale") else f"mlscale: error: {message}"
     assert len(lines) == 1 and lines[0].startswith(expected), result.stderr
 
 
@@ -217,3 +227,19 @@ def test_the_scale_out_guide_renders_what_it_says_and_it_validates(tmp_path):
     assert result.stdout.count(" passed for resource ") == 3  # the guide's own kubernetes-validate run
     queue = yaml.safe_load((tmp_path / "k8s/serve-queue/horizontalpodautoscaler-mlscale-digits.yaml").read_text())
     assert queue["spec"]["metrics"][0]["pods"]["metric"]["name"] == "mlscale_inference_pending_request_count"
+
+
+def test_main_returns_in_a_process_that_has_its_own_process_group():
+    """``main`` is the API under the ``mlscale`` command: with a group made by the caller, not by mlscale,
+    it returns its exit code; only ``run`` ends a process, and only in a group mlscale made."""
+    import torch.distributed as dist
+
+    from mlscale.train.dist import owns_process_group
+    from tests.serve.conftest import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        assert not owns_process_group()
+        assert mlscale(*CASES["serve"]).returncode == 0
+    finally:
+        dist.destroy_process_group()
