@@ -127,7 +127,21 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-async-checkpoint", action="store_false", dest="async_checkpoint", default=None,
                    help="write checkpoints on the training thread (default: on a background thread)")
     p.add_argument("--max-restarts", type=int, metavar="R",
-                   help="restart the worker group up to R times after a failure, resuming from the newest checkpoint")
+                   help="restart the worker group up to R times after a failure, resuming from the newest "
+                   "checkpoint (per-step: restart a failed replica group's worker up to R times)")
+    tolerance = p.add_argument_group("fault tolerance")
+    tolerance.add_argument("--fault-tolerance", choices=["restart", "per-step"], help="restart (default): a failed "
+                           "worker stops the job, every worker restarts from the newest checkpoint. per-step (ddp, "
+                           "torchft): every worker is a replica group, the healthy ones go on without the failed one, "
+                           "and its replacement receives the current state from a live peer")
+    tolerance.add_argument("--lighthouse", metavar="ADDR", help="per-step: the torchft lighthouse to join, e.g. "
+                           "http://host:29510 (multi-host and Kubernetes: run torchft_lighthouse); default: mlscale "
+                           "starts one for the job")
+    tolerance.add_argument("--min-replicas", type=int, metavar="N", help="per-step: the fewest replica groups that "
+                           "may commit a step (default 1)")
+    tolerance.add_argument("--heartbeat-timeout-ms", type=int, metavar="MS", help="per-step: how long the lighthouse "
+                           "mlscale starts waits for a silent replica group before leaving it out of the quorum "
+                           "(default 1000): shorter finds failures sooner, too short drops a busy one")
     p.add_argument("--collective-timeout", type=float, metavar="S", dest="collective_timeout_s",
                    help="seconds a collective may wait for a peer before the job treats it as hung (default 300)")
     p.add_argument("--fault", action="append", metavar="SPEC", dest="faults",
@@ -184,7 +198,8 @@ def _train(args: argparse.Namespace) -> int:
         "max_restarts", "collective_timeout_s", "faults", "log_every", "sync", "staleness", "ps_servers",
         "backup_workers", "straggler_threshold", "simulated_compute_ms", "progress", "stages", "microbatches",
         "schedule", "memory_limit_mb", "grad_accum", "compress", "bucket_mb", "clip_grad_norm", "eval_every", "log",
-        "compile", "data_workers", "data_prefetch", "data_cache")}
+        "compile", "data_workers", "data_prefetch", "data_cache", "fault_tolerance", "lighthouse", "min_replicas",
+        "heartbeat_timeout_ms")}
     if args.task_opt:
         overrides["task_options"] = dict(args.task_opt)
     if args.features or args.entities:  # the features task, with the retrieval's inputs as its options
@@ -259,6 +274,15 @@ def print_train_summary(report: dict[str, Any]) -> None:
     if pipeline:
         rows.append(("pipeline", f"{pipeline['stages']} stages, {pipeline['microbatches']} microbatches, "
                      f"{pipeline['schedule']}: {pipeline['split']}"))
+    tolerance = report.get("fault_tolerance")
+    if tolerance:
+        recovery = report["recovery"]
+        live = recovery["live_recoveries"]
+        rejoin = ", ".join(f"group {e['replica']} at step {e['step']}" for e in live)
+        rows.append(("fault tolerance", f"per-step ({tolerance['engine']}), {tolerance['replicas']} replica groups: "
+                     f"{recovery['steps_without_every_replica']} step(s) without every group, "
+                     f"{recovery['samples_not_trained']:,} samples not trained, {len(live)} live recovery(ies)"
+                     + (f" ({rejoin})" if rejoin else "")))
     memory = report.get("memory")
     if memory:
         rows.append(("memory", ", ".join(f"rank {m['rank']} {m['state_mb']:.1f} MB" for m in memory[:8])

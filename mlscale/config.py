@@ -66,6 +66,14 @@ class TrainConfig(BaseModel):
     keep_checkpoints: int = Field(3, ge=1)
     async_checkpoint: bool = Field(True, description="write checkpoints on a background thread")
     max_restarts: int = Field(0, ge=0)
+    fault_tolerance: Literal["restart", "per-step"] = Field(
+        "restart", description="restart: a failure restarts every worker from the newest checkpoint; per-step: "
+        "each worker is a torchft replica group, the healthy ones go on and a replacement recovers from a peer")
+    lighthouse: str | None = Field(None, description="per-step: the torchft lighthouse's address (default: "
+                                   "mlscale starts one for the job on this machine)")
+    min_replicas: int = Field(1, ge=1, description="per-step: the fewest replica groups that may commit a step")
+    heartbeat_timeout_ms: int = Field(1000, ge=50, description="per-step: how long the lighthouse mlscale starts "
+                                      "waits for a silent replica before leaving it out of the quorum")
     faults: list[str] = Field(default_factory=list)
     data_workers: int | Literal["auto"] = Field(0, description="input pipeline worker processes (auto: measured)")
     data_prefetch: int = Field(2, ge=1, description="batches each data worker prepares ahead")
@@ -113,6 +121,20 @@ class TrainConfig(BaseModel):
         if self.steps is not None and self.epochs is not None:
             raise ValueError("give either steps or epochs, not both")
         return self
+
+    @model_validator(mode="after")
+    def _per_step_options(self) -> TrainConfig:
+        options = ("lighthouse", "min_replicas", "heartbeat_timeout_ms")  # a saved config holds their defaults
+        given = [name for name in options if getattr(self, name) != type(self).model_fields[name].default]
+        if given and not self.per_step:
+            raise ValueError(f"{given[0].replace('_', '-')} is an option of per-step fault tolerance: add "
+                             "--fault-tolerance per-step")
+        return self
+
+    @property
+    def per_step(self) -> bool:
+        """Per-step fault tolerance: every worker is a replica group of its own."""
+        return self.fault_tolerance == "per-step"
 
 
 _CLI_NAMES = {"task_options": "task-opt", "faults": "fault", "collective_timeout_s": "collective-timeout"}

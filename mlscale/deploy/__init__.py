@@ -26,9 +26,14 @@ def render_training_job(*, config_path: str | None, nodes: int, image: str, name
     """The Job for ``mlscale train --config CONFIG`` on ``nodes`` pods, and notes on what it implies.
     ``options``: the other fields of ``TrainingJob``; ``max_restarts`` defaults to the config's."""
     from mlscale.config import build_config
-    from mlscale.train.strategies import strategy_class
+    from mlscale.train.strategies import strategy_for
 
     config = build_config(config_path)
+    if config.per_step:
+        from mlscale.errors import UsageError
+
+        raise UsageError("bad value fault_tolerance='per-step': mlscale k8s train renders restart-all Jobs; a per-step "
+                         "job needs a torchft lighthouse and one torchrun per replica group (docs/scale-out.md)")
     if options.get("register"):
         from mlscale.registry.uri import check_name
 
@@ -38,7 +43,7 @@ def render_training_job(*, config_path: str | None, nodes: int, image: str, name
         nodes=nodes, config_text=_read(config_path) if config_path else NO_CONFIG,
         config_file=config_file_name(config_path),
         max_restarts=config.max_restarts if max_restarts is None else max_restarts, **options)
-    strategy_class(config.strategy).check(config, job.world_size)
+    strategy_for(config).check(config, job.world_size)
     notes = []
     if "workers" in config.model_fields_set and config.workers != job.world_size:
         notes.append(f"the config's workers = {config.workers} is not used: torchrun starts {job.world_size} "

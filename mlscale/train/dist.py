@@ -24,6 +24,10 @@ class DistEnv:
     local_rank: int
     device: torch.device
     attempt: int = 0
+    # Per-step fault tolerance runs replica groups, each its own world (rank, world_size above) that
+    # torchft joins across groups step by step: this process's group and how many there are.
+    replica: int = 0
+    replicas: int = 1
 
     @property
     def distributed(self) -> bool:
@@ -31,7 +35,13 @@ class DistEnv:
 
     @property
     def is_main(self) -> bool:
-        return self.rank == 0
+        return self.rank == 0  # of its own group (a replica group under per-step fault tolerance)
+
+    @property
+    def member(self) -> int:
+        """This process's number in the whole job (its rank, counted across replica groups): what faults,
+        tracebacks and heartbeat files are named by."""
+        return self.replica * self.world_size + self.rank
 
 
 _OWN_GROUP = False  # init_distributed made the default process group (not a caller of ours)
@@ -82,8 +92,29 @@ def _agreed_attempt(attempt: int, device: torch.device) -> int:
     return int(count.item())
 
 
-def init_distributed(device_preference: str = "auto", timeout_s: float = 300.0) -> DistEnv:
-    """Join the process group described by the environment (nccl on CUDA, gloo on CPU)."""
+REPLICA_ENV = "REPLICA_GROUP_ID"  # torchft's name: which replica group this process belongs to
+
+
+def replica_from_environ(replicas: int) -> int:
+    """This process's replica group (``$REPLICA_GROUP_ID``, 0 when unset) under per-step fault tolerance."""
+    raw = os.environ.get(REPLICA_ENV, "0")
+    if not raw.isdigit() or int(raw) >= replicas:
+        from mlscale.errors import UsageError
+
+        raise UsageError(f"bad value {REPLICA_ENV}={raw!r}: per-step fault tolerance with --workers {replicas} "
+                         f"runs replica groups 0..{replicas - 1}; each host sets its own")
+    return int(raw)
+
+
+def member_from_environ() -> int:
+    """``DistEnv.member`` before the worker has joined anything (for naming its traceback)."""
+    return int(os.environ.get(REPLICA_ENV, 0) or 0) * int(os.environ.get("WORLD_SIZE", 1)) + \
+        int(os.environ.get("RANK", 0))
+
+
+def init_distributed(device_preference: str = "auto", timeout_s: float = 300.0, replicas: int = 1) -> DistEnv:
+    """Join the process group described by the environment (nccl on CUDA, gloo on CPU). With
+    ``replicas`` > 1 (per-step fault tolerance) that group is this replica group's own."""
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -101,7 +132,9 @@ def init_distributed(device_preference: str = "auto", timeout_s: float = 300.0) 
         _OWN_GROUP = True
     if world > 1:
         attempt = _agreed_attempt(attempt, device)
-    return DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=device, attempt=attempt)
+    replica = replica_from_environ(replicas) if replicas > 1 else 0
+    return DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=device, attempt=attempt,
+                   replica=replica, replicas=replicas)
 
 
 def shutdown_distributed(destroy: bool = True) -> None:

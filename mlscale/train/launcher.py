@@ -28,11 +28,12 @@ from mlscale.io import atomic_write
 from mlscale.rundir import RunDir
 from mlscale.tasks import make_task
 from mlscale.train.checkpoint import Checkpointer
-from mlscale.train.dist import under_launcher
+from mlscale.train.dist import member_from_environ, under_launcher
 from mlscale.train.faults import parse_fault
 from mlscale.train.recovery import KNOCK_ON
-from mlscale.train.strategies import strategy_class
-from mlscale.train.trainer import JOB_START_ENV
+from mlscale.train.replica_groups import launch_replica_groups
+from mlscale.train.strategies import strategy_for
+from mlscale.train.trainer import JOB_START_ENV, total_steps
 from mlscale.train.worker import run_worker, save_traceback, traceback_path
 
 _TIMEOUT = re.compile(r"timed out|timeout", re.I)
@@ -49,7 +50,7 @@ def fit(config: TrainConfig, *, keep_group: bool = False) -> dict[str, Any]:
         # Under torchrun every rank does this; rank 0 rewrites config.json atomically with the same
         # merge, so a rank reading it before or after the rewrite gets the same configuration.
         config = resumed_config(config)
-    strategy = strategy_class(config.strategy)
+    strategy = strategy_for(config)
     task = make_task(config.task, config.task_options)  # fail fast, with exit 2, on a bad task
     world = int(os.environ["WORLD_SIZE"]) if under_launcher() and "WORLD_SIZE" in os.environ \
         else strategy.world_size(config)
@@ -59,12 +60,15 @@ def fit(config: TrainConfig, *, keep_group: bool = False) -> dict[str, Any]:
     run_dir = RunDir(config.run_dir)
     os.environ.setdefault(JOB_START_ENV, str(time.time()))
     if under_launcher():
-        return _run_here(config, run_dir, rank=int(os.environ.get("RANK", 0)), keep_group=keep_group)
+        return _run_here(config, run_dir, rank=member_from_environ(), keep_group=keep_group)
     with _unchanged_unless_it_trains(run_dir):
         _prepare(config, run_dir)
-        if world == 1:
+        if config.per_step:
+            launch_replica_groups(config, run_dir, total_steps(config, task.train, config.workers))
+        elif world == 1:
             return _run_here(config, run_dir, rank=0)
-        _launch_local(config, run_dir, world)
+        else:
+            _launch_local(config, run_dir, world)
     return run_dir.read_report()
 
 
@@ -72,7 +76,7 @@ def check_only(config: TrainConfig) -> str:
     """What ``fit`` checks before a worker starts, for a job of ``$WORLD_SIZE`` processes when set (the
     torchrun variable: how a Kubernetes Job's check container sizes it), else of ``--workers``.
     Returns a one-line summary; a mistake is a ``UsageError``."""
-    strategy = strategy_class(config.strategy)
+    strategy = strategy_for(config)
     task = make_task(config.task, config.task_options)
     given = os.environ.get("WORLD_SIZE", "")
     world = int(given) if given.isdigit() and int(given) > 0 else strategy.world_size(config)
@@ -119,7 +123,7 @@ def check_job(config: TrainConfig, data: TensorData | ParquetData, world: int,
     exit 2 here, not a worker's traceback later."""
     import torch
 
-    strategy = strategy_class(config.strategy)
+    strategy = strategy_for(config)
     strategy.check(config, world)
     strategy.check_training_options(config)
     if "tensorboard" in config.log:
@@ -139,7 +143,11 @@ def check_job(config: TrainConfig, data: TensorData | ParquetData, world: int,
             model = None
         if model is not None:
             strategy.check_model(config, model, world)
-    workers = strategy.replicas(config, world)
+    groups = config.workers if config.per_step else 1  # per-step: --workers replica groups of `world`
+    workers = strategy.replicas(config, world) * groups
+    if config.per_step and isinstance(data, ParquetData):
+        raise UsageError("bad value fault-tolerance='per-step': Parquet data is not built for it yet (a replica "
+                         "takes the batch of the quorum's step from its shard); use in-memory data, or restart")
     if isinstance(data, ParquetData):
         check_shardable(data, workers, config.step_batch, config.seed)
     elif steps_per_epoch(len(data), workers, config.step_batch) == 0:
@@ -147,9 +155,9 @@ def check_job(config: TrainConfig, data: TensorData | ParquetData, world: int,
                          f"worker(s) is more than the {len(data):,} training samples of task {config.task!r}")
     for spec in config.faults:
         fault = parse_fault(spec)
-        if fault.kind != "kill_during_checkpoint" and fault.rank >= world:
-            raise UsageError(f"bad value fault={spec!r}: rank {fault.rank} does not exist with {world} "
-                             f"process(es) (ranks 0..{world - 1})")
+        if fault.kind != "kill_during_checkpoint" and fault.rank >= world * groups:
+            raise UsageError(f"bad value fault={spec!r}: rank {fault.rank} does not exist with {world * groups} "
+                             f"process(es) (ranks 0..{world * groups - 1})")
     if config.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("bad value device='cuda': no CUDA device is available here (torch "
                          f"{torch.__version__}); use --device cpu or auto")
@@ -279,7 +287,7 @@ def _terminated_by_agent(failure: Any) -> bool:
 def _write_failed_report(config: TrainConfig, run_dir: RunDir, rank: int, message: str) -> None:
     run_dir.write_report({
         "status": "failed", "task": config.task, "strategy": config.strategy,
-        "world_size": strategy_class(config.strategy).world_size(config), "workers": config.workers,
+        "world_size": strategy_for(config).world_size(config), "workers": config.workers,
         "error": {"rank": rank, "message": message},
         "restarts": config.max_restarts,
         "wall_s": time.time() - float(os.environ.get(JOB_START_ENV, time.time())),

@@ -72,6 +72,7 @@ class StepResult:
     samples: int = 0  # samples whose gradients the completed global step(s) applied
     rows: list[StepRow] = field(default_factory=list)  # steps measured, of this or other ranks
     positions: dict[int, Position] = field(default_factory=dict)  # data shard -> position, as applied
+    applied: bool = True  # False: the step was discarded (a peer failed during it) and its batch is redone
 
 
 @dataclass
@@ -159,6 +160,9 @@ class Strategy(ABC):
     evaluates_during_training: ClassVar[bool] = False  # has an ``evaluator()``
     compiles: ClassVar[bool] = False  # honours --compile
     backward_through_learner: ClassVar[bool] = False  # Learner.backward runs the backward (--fault inf_grad)
+    # A restarted process gets the training state from a live peer (per-step fault tolerance), not from
+    # the newest checkpoint; the others never restart.
+    recovers_live: ClassVar[bool] = False
 
     def __init__(self, env: DistEnv, config: TrainConfig) -> None:
         self.env, self.config = env, config
@@ -217,6 +221,28 @@ class Strategy(ABC):
     def keeps_records(self) -> bool:
         """Whether this rank takes part in logs, checkpoints and the report."""
         return True
+
+    @property
+    def writes_records(self) -> bool:
+        """Whether this rank writes the run directory's records now (metrics lines, console, report): rank 0,
+        or under per-step fault tolerance whichever replica leads the current quorum."""
+        return self.env.is_main
+
+    @property
+    def saves_checkpoints(self) -> bool:
+        """Whether this checkpoint rank writes its part of a checkpoint now (all of them, unless replica
+        groups hold the same state and one of them writes it)."""
+        return True
+
+    def begin_step(self) -> int | None:
+        """Called before the next batch is read: the global step whose batch this rank trains next when
+        it is not simply the one after the last (per-step fault tolerance: the quorum's step, which jumps
+        when a replacement has recovered, and stays when a step was discarded); ``None``: in order."""
+        return None
+
+    def log_fields(self, step: int, since: int) -> dict[str, Any]:
+        """Strategy-specific fields for the metrics line of ``step``, about the steps after ``since``."""
+        return {}
 
     # -- the step ----------------------------------------------------------------------------------
     @abstractmethod

@@ -37,11 +37,12 @@ from mlscale.train.memory import MEMORY_KEYS, peak_memory_mb
 from mlscale.train.progress import Progress
 from mlscale.train.recovery import Heartbeat, RecoveryTracker, recovery_summary
 from mlscale.train.stragglers import StragglerDetector
-from mlscale.train.strategies import strategy_class
+from mlscale.train.strategies import strategy_for
 from mlscale.train.strategy import TIMING_KEYS, Batch, Learner, Setup, StepResult, StepRow
 from mlscale.train.timing import median, now
 
 JOB_START_ENV = "MLSCALE_JOB_START"
+NO_PROGRESS_ENV = "MLSCALE_NO_PROGRESS"  # set by a launcher that shows the job's progress itself
 
 
 def total_steps(config: TrainConfig, data: TensorData | ParquetData, world: int) -> int:
@@ -128,13 +129,16 @@ class Trainer:
         self.task = make_task(config.task, config.task_options)
         self.dtype = getattr(torch, config.dtype)
         self.train_data = self.task.train.to(self.dtype)
-        strategy_type = strategy_class(config.strategy)
+        strategy_type = strategy_for(config)
         layout = strategy_type.data_shards(config, env.world_size)
-        self.shard = layout[env.rank]  # None: reads no data
-        self.shards = strategy_type.replicas(config, env.world_size)
-        data_ranks = [rank for rank, shard in enumerate(layout) if shard is not None]
+        per_group = strategy_type.replicas(config, env.world_size)
+        own = layout[env.rank]  # None: reads no data; replica groups read shards of their own
+        self.shard = None if own is None else own + env.replica * per_group
+        self.shards = per_group * env.replicas
+        data_ranks = [group * env.world_size + rank for group in range(env.replicas)
+                      for rank, shard in enumerate(layout) if shard is not None]
         self.strategy = strategy_type(env, config)
-        self.faults = FaultInjector(config.faults, env.rank, first_attempt=env.attempt == 0 and not config.resume,
+        self.faults = FaultInjector(config.faults, env.member, first_attempt=env.attempt == 0 and not config.resume,
                                     log_path=run_dir.logs / "faults.jsonl", data_ranks=data_ranks, seed=config.seed)
         self.total_steps = total_steps(config, self.train_data, self.shards)
         self.global_batch = config.step_batch * self.shards
@@ -143,6 +147,7 @@ class Trainer:
         self.stragglers = StragglerDetector(threshold=config.straggler_threshold)
 
         self.step, self.samples_seen = 0, 0
+        self.logged_step = 0  # the step of the latest metrics line
         self.memory: dict[str, float] | None = None
         self.data_workers = 0  # what the input pipeline runs with (--data-workers auto: measured)
         self.eval_data: TensorData | None = None
@@ -152,10 +157,13 @@ class Trainer:
         self.positions = {shard: Position() for shard in range(self.shards)}
         self.resumed_from: int | None = None
         self.resumed_world_size: int | None = None
-        found = self._latest_checkpoint() if config.resume or env.attempt > 0 else None
+        # A replacement under per-step fault tolerance gets the state from a live peer instead.
+        restarted = env.attempt > 0 and not strategy_type.recovers_live
+        found = self._latest_checkpoint() if config.resume or restarted else None
         if found is not None:
             self.step = found[1]["step"]
         self.local_steps = self.step  # steps this rank has computed (equal to global steps under ddp)
+        self.loader_step = self.logged_step = self.step  # the global step whose batch the loader yields next
         torch.manual_seed(config.seed)  # the same initial weights on every rank
         model = self.task.build_model().to(dtype=self.dtype, device=env.device)
         self._seed_rank_rngs()
@@ -166,10 +174,10 @@ class Trainer:
             self._restore(*found)
             if env.distributed:  # nobody saves (and prunes) before every rank has read its part
                 dist.barrier()
-        self.heartbeat = Heartbeat(run_dir.path / "heartbeat", env.attempt, env.rank)
+        self.heartbeat = Heartbeat(run_dir.path / "heartbeat", env.attempt, env.member)
         self.recovery: RecoveryTracker | None = None
         self.progress: Progress | None = None
-        if env.attempt > 0 and env.is_main:
+        if restarted and env.is_main:
             self.recovery = RecoveryTracker(run_dir.path, run_dir.path / "heartbeat", run_dir.logs / "faults.jsonl",
                                             attempt=env.attempt, resumed_from=self.step)
         self.loader = None if self.shard is None else self._make_loader()
@@ -187,7 +195,7 @@ class Trainer:
         loader_type = ParquetLoader if streamed else PipelineLoader
         # One cache per process (ranks that read the same shard, under tp or pipeline, keep their own),
         # valid for this task, its options and dtype only.
-        cache_dir = self.run_dir.path / "data-cache" / f"rank{self.env.rank}"
+        cache_dir = self.run_dir.path / "data-cache" / f"rank{self.env.member}"
         cache_key = json.dumps([config.task, config.task_options, config.dtype], sort_keys=True, default=str)
 
         def make(workers: int, cache: str = config.data_cache) -> StreamLoader:
@@ -292,8 +300,8 @@ class Trainer:
     def _checkpoint(self, final: bool = False) -> None:
         """Save a checkpoint; the time the training thread was held goes into the stall statistics
         (not for the final one, after which there is no training left to stall)."""
-        if self.checkpointer.rank is None:
-            return  # this rank holds no state of its own
+        if self.checkpointer.rank is None or not self.strategy.saves_checkpoints:
+            return  # this rank holds no state of its own, or another replica group writes it
         start = now()
         state = self.strategy.train_state()
         state.meta["rng"] = capture_rng()
@@ -302,7 +310,7 @@ class Trainer:
             "samples_seen": self.samples_seen,
             "position": self.positions[0].as_dict(),
             "positions": [self.positions[shard].as_dict() for shard in range(self.shards)],
-            "world_size": self.env.world_size,
+            "world_size": self.env.world_size * self.env.replicas,
             "workers": self.shards,
             "global_batch": self.global_batch,
         })
@@ -319,12 +327,27 @@ class Trainer:
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         return Batch(inputs, targets, self.loader.position, start, (now() - start) * 1e3)
 
+    def _seek(self, step: int) -> None:
+        """Read on from the batch of global ``step`` (every shard reads one batch a step)."""
+        shard = self.shard
+        assert shard is not None and self.loader is not None
+        per_epoch = epoch_steps_for(self.train_data, self.shards, self.config.step_batch, self.config.seed)
+        self.positions[shard] = Position(step // per_epoch, (step % per_epoch) * self.config.step_batch * self.shards)
+        if isinstance(self.loader, StreamLoader):
+            self.loader.close()
+        self.loader = self._make_loader()
+
     def _train_step(self) -> StepResult:
-        batch = self._next_batch()
         # A data rank counts its own steps (under async ps the global step can jump past a straggler's);
         # a rank without data counts global steps.
-        own_step = (self.local_steps if batch is not None else self.step) + 1
+        own_step = (self.local_steps if self.loader is not None else self.step) + 1
         self.faults.before_step(own_step)
+        wanted = self.strategy.begin_step()
+        if wanted is not None and wanted != self.loader_step and self.loader is not None:
+            self._seek(wanted)
+            self.loader_step = wanted
+        batch = self._next_batch()
+        self.loader_step += 1
         if self.faults.poisons(own_step):
             for learner in self.learners:
                 learner.poison_next = True
@@ -332,6 +355,8 @@ class Trainer:
         if batch is not None and self.config.simulated_compute_ms and not self.strategy.simulates_compute:
             time.sleep(self.config.simulated_compute_ms / 1e3)
         result = self.strategy.step(batch)
+        if not result.applied:
+            return result
         if self.memory is None:  # after the first step, when gradients and optimizer state exist
             self.memory = self.strategy.memory()
         self.step = result.step
@@ -348,7 +373,7 @@ class Trainer:
         """A console line from rank 0 (above the progress bar when there is one)."""
         if self.progress is not None:
             self.progress.note(text)
-        elif self.env.is_main:
+        elif self.strategy.writes_records:
             print(text, file=sys.stderr, flush=True)
 
     def _evaluate_now(self) -> float:
@@ -357,7 +382,7 @@ class Trainer:
         model = self.strategy.evaluator()
         if model is not None:
             metrics = self.evaluate(model)
-            if self.env.is_main:
+            if self.strategy.writes_records:
                 self.pending_eval.append({"step": self.step, **metrics})
                 self._say(f"eval at step {self.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
         return now() - start
@@ -379,7 +404,7 @@ class Trainer:
         flagged = self.stragglers.observe(self.step, {int(r[0]): r[fixed:] for r in shared})
         with_loss = [r for r in shared if r[1]]  # by role, so that a diverged (NaN) loss still shows
         loss = sum(r[2] for r in with_loss) / len(with_loss) if with_loss else math.nan
-        if self.env.is_main:
+        if self.strategy.writes_records:
             samples_per_s = window.samples / (now() - window.start)
             evaluated, self.pending_eval = self.pending_eval, []
             self.run_dir.append_metrics({
@@ -394,12 +419,14 @@ class Trainer:
                               "straggler_score": round(self.stragglers.scores.get(int(r[0]), 1.0), 3)}
                              for r in shared],
                 "stragglers": flagged,
+                **self.strategy.log_fields(self.step, self.logged_step),
                 **({"eval": evaluated} if evaluated else {}),
             })
             if self.tensorboard is not None:
                 self.tensorboard.write(self.step, loss, self.strategy.lr(), samples_per_s, shared, evaluated)
-            if self.progress is not None:
-                self.progress.update(self.step, loss, samples_per_s, self.stragglers.describe_now())
+        if self.progress is not None:
+            self.progress.update(self.step, loss, window.samples / (now() - window.start),
+                                 self.stragglers.describe_now())
         return sum(r[3] for r in with_loss) / len(with_loss) if with_loss else math.nan
 
     def run(self) -> dict[str, Any]:
@@ -407,9 +434,9 @@ class Trainer:
         config, records = self.config, self.strategy.keeps_records
         self.loop_start = now()
         self.tensorboard = TensorBoardLog(self.run_dir.path / "tensorboard") \
-            if "tensorboard" in config.log and self.env.is_main else None
+            if "tensorboard" in config.log and self.env.member == 0 else None
         progress = self.progress = Progress(self.total_steps, self.step) \
-            if self.env.is_main and config.progress else None
+            if self.env.member == 0 and config.progress and not os.environ.get(NO_PROGRESS_ENV) else None
         if self.recovery is not None:
             self._say(self.recovery.restart_notice(config.max_restarts))
         # Throughput and timing medians leave out the first steps (warm-up), unless that is all.
@@ -423,7 +450,7 @@ class Trainer:
             while not done:
                 result = self._train_step()
                 done = result.done
-                if not records:
+                if not records or not result.applied:
                     continue
                 window.rows.extend(result.rows)
                 window.samples += result.samples
@@ -440,7 +467,7 @@ class Trainer:
                         measure_from = (measure_from[0] + spent, measure_from[1])
                 if self.step % config.log_every == 0 or done:
                     final_loss = self._log(window)
-                    window = _Window()
+                    window, self.logged_step = _Window(), self.step
                 if config.checkpoint_every and self.step % config.checkpoint_every == 0:
                     self._checkpoint(final=done)
         except BaseException:
@@ -517,11 +544,12 @@ class Trainer:
         samples_per_s = samples / (end - measure_from[0]) if measure_from and samples else 0.0
         self.run_dir.write_final_model(model, metadata={"task": self.config.task, "step": str(self.step)})
         job_start = float(os.environ.get(JOB_START_ENV, time.time()))
+        strategy_report = self.strategy.report()
         report = {
             "status": "completed",
             "task": self.config.task,
             "strategy": self.config.strategy,
-            "world_size": self.env.world_size,
+            "world_size": self.env.world_size * self.env.replicas,
             "workers": self.shards,
             "steps": self.step,
             "samples_seen": self.samples_seen,
@@ -529,7 +557,7 @@ class Trainer:
             "final_loss": final_loss,
             "eval": self.evaluate(model),
             "restarts": self.env.attempt,
-            "recovery": recovery_summary(self.run_dir.path),
+            "recovery": {**recovery_summary(self.run_dir.path), **strategy_report.pop("recovery", {})},
             "checkpoint": {
                 "async": self.config.async_checkpoint,
                 "saves_during_training": len(self.checkpoint_stalls_ms),
@@ -543,7 +571,7 @@ class Trainer:
             "memory": memory,
             "stragglers": sorted(self.stragglers.first_flagged),
             "straggler_detection": self.stragglers.summary(),
-            **self.strategy.report(),
+            **strategy_report,
             "wall_s": time.time() - job_start,
             "model_uri": None,
             "run_dir": str(self.run_dir.path),

@@ -18,7 +18,7 @@ from typing import Any
 from mlscale.config import TrainConfig
 from mlscale.errors import MlscaleError, first_line
 from mlscale.rundir import RunDir
-from mlscale.train.dist import init_distributed, shutdown_distributed
+from mlscale.train.dist import init_distributed, member_from_environ, shutdown_distributed
 from mlscale.train.memory import is_out_of_memory, memory_limit
 from mlscale.train.recovery import record_failure
 from mlscale.train.trainer import Trainer
@@ -30,7 +30,8 @@ class MemoryLimitExceeded(MlscaleError):
 
 def run_worker(config: TrainConfig, run_dir: RunDir, destroy_group: bool = True) -> dict[str, Any]:
     """Join the group, train, leave. Returns the report on rank 0 and ``{}`` elsewhere."""
-    env = init_distributed(config.device, config.collective_timeout_s)
+    groups = config.workers if config.per_step else 1  # per-step: --workers replica groups
+    env = init_distributed(config.device, config.collective_timeout_s, replicas=groups)
     try:
         with memory_limit(config.memory_limit_mb, env.device):
             report = Trainer(config, env, run_dir).run()
@@ -60,7 +61,7 @@ def save_traceback(run_dir: RunDir, rank: int, exc: BaseException) -> Path:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     run_dir = RunDir(args[0])
-    rank = int(os.environ.get("RANK", 0))
+    rank = member_from_environ()
     try:
         run_worker(TrainConfig(**run_dir.read_config()), run_dir, destroy_group=False)
     except BaseException as exc:  # reported to the agent, then exit 1

@@ -61,6 +61,8 @@ class ReplicaStrategy(OneModuleState, Strategy):
         backward_end = now()
         if self.env.device.type == "cuda":  # what the backward queued is done before the update is timed
             torch.cuda.synchronize(self.env.device)
+        if not self.reduce_gradients():
+            return StepResult(step=self.steps_done, done=False, applied=False)
         update_start = now()
         self.learner.apply()
         if self.env.device.type == "cuda":
@@ -75,6 +77,11 @@ class ReplicaStrategy(OneModuleState, Strategy):
         self.steps_done += 1
         return StepResult(step=self.steps_done, done=self.steps_done >= self.total_steps, samples=self.global_batch,
                           rows=[row], positions=dict.fromkeys(range(self.shards), batch.position))
+
+    def reduce_gradients(self) -> bool:
+        """After the backward pass: anything left to do to the gradients before the update (the wrapper
+        has all-reduced them already); False discards the step (no update), for its batch to be redone."""
+        return True
 
     def synchronising(self, sync: bool) -> contextlib.AbstractContextManager[Any]:
         """Around a micro-step's forward and backward: whether its gradients are synchronised (the last

@@ -1,0 +1,156 @@
+"""Launching a job under per-step fault tolerance on one machine: the torchft lighthouse, and one torchrun
+agent per replica group.
+
+Each agent runs its group's worker and restarts it (up to ``--max-restarts``) when it dies; the other
+groups never notice more than a quorum without it. The lighthouse lives in this process (torchft's
+``LighthouseServer``, the server behind its ``torchft_lighthouse`` binary) unless ``--lighthouse`` names
+one that runs elsewhere, as a multi-host job needs. This process follows the run directory to show
+progress and the quorum's changes, since the replica that writes the records changes with the quorum.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from mlscale.config import TrainConfig
+from mlscale.errors import WorkerFailed
+from mlscale.rundir import RunDir
+from mlscale.train.dist import REPLICA_ENV
+from mlscale.train.progress import Progress
+from mlscale.train.strategies.per_step import LAUNCH_ENV, LIGHTHOUSE_ENV, replica_log_path
+from mlscale.train.trainer import NO_PROGRESS_ENV
+from mlscale.train.worker import traceback_path
+
+_POLL_S = 0.2
+
+
+@contextlib.contextmanager
+def lighthouse(config: TrainConfig) -> Iterator[str]:
+    """The lighthouse's address: ``--lighthouse``, or one started here for the job's lifetime."""
+    if config.lighthouse:
+        yield config.lighthouse
+        return
+    os.environ.setdefault("RUST_LOG", "error")  # torchft's servers log every quorum at info
+    from torchft.coordination import LighthouseServer
+
+    server = LighthouseServer(bind="[::]:0", min_replicas=config.min_replicas,
+                              join_timeout_ms=max(10_000, 10 * config.heartbeat_timeout_ms),
+                              heartbeat_timeout_ms=config.heartbeat_timeout_ms)
+    try:
+        yield server.address()
+    finally:
+        server.shutdown()
+
+
+def agent_command(config: TrainConfig, run_dir: RunDir) -> list[str]:
+    """One replica group's torchrun: its own rendezvous (``--standalone``), one worker, its own restarts."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc-per-node=1",
+            f"--max-restarts={config.max_restarts}", "--monitor-interval=0.1",
+            "-m", "mlscale.train", str(run_dir.path)]
+
+
+def launch_replica_groups(config: TrainConfig, run_dir: RunDir, total_steps: int) -> None:
+    """Run ``--workers`` replica groups to the end of training; the report is rank 0's (the quorum's leader)."""
+    groups = config.workers
+    with lighthouse(config) as address:
+        env = {**os.environ, LIGHTHOUSE_ENV: address, LAUNCH_ENV: uuid.uuid4().hex[:12],
+               "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "LOGLEVEL": "ERROR",
+               "RUST_LOG": os.environ.get("RUST_LOG", "error"), "TORCH_CPP_LOG_LEVEL": "ERROR",
+               NO_PROGRESS_ENV: "1"}
+        logs = run_dir.logs / "agents"
+        logs.mkdir(parents=True, exist_ok=True)
+        agents = []
+        try:
+            for group in range(groups):
+                with (logs / f"replica{group}.log").open("ab") as out:
+                    agents.append(subprocess.Popen(agent_command(config, run_dir), env={**env, REPLICA_ENV: str(group)},
+                                                   stdout=out, stderr=subprocess.STDOUT))
+            codes = _follow(config, run_dir, agents, total_steps)
+        finally:
+            for agent in agents:
+                if agent.poll() is None:
+                    agent.terminate()
+            for agent in agents:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    agent.wait(timeout=30)
+    failed = [group for group, code in enumerate(codes) if code != 0]
+    completed = run_dir.report_path.exists() and run_dir.read_report().get("status") == "completed"
+    if completed:
+        for group in failed:
+            print(f"mlscale: replica group {group} stopped for good (its restarts spent); the others finished "
+                  f"without it. Its log: {logs / f'replica{group}.log'}", file=sys.stderr)
+        return
+    _fail(config, run_dir, failed or list(range(groups)), logs)
+
+
+def _follow(config: TrainConfig, run_dir: RunDir, agents: list[subprocess.Popen[bytes]], total: int) -> list[int]:
+    """Wait for every agent, showing progress from ``metrics.jsonl`` and the quorum's changes from the
+    replicas' logs. Returns the agents' exit codes."""
+    watcher = _Watcher(run_dir, config.workers)
+    progress = Progress(total) if config.progress else None
+    while any(agent.poll() is None for agent in agents):
+        time.sleep(_POLL_S)
+        watcher.read(progress)
+    watcher.read(progress)
+    if progress is not None:
+        progress.close()
+    return [agent.returncode for agent in agents]
+
+
+class _Watcher:
+    """Reads what the replicas append (metrics lines, replica logs) and says what changed."""
+
+    def __init__(self, run_dir: RunDir, groups: int) -> None:
+        self.run_dir, self.groups = run_dir, groups
+        self.offsets: dict[Path, int] = {}
+        self.members: list[int] | None = None
+
+    def _new_lines(self, path: Path) -> list[dict[str, Any]]:
+        if not path.exists():
+            return []
+        with path.open("rb") as handle:
+            handle.seek(self.offsets.get(path, 0))
+            data = handle.read()
+        complete = data[: data.rfind(b"\n") + 1]
+        self.offsets[path] = self.offsets.get(path, 0) + len(complete)
+        return [json.loads(line) for line in complete.splitlines() if line.strip()]
+
+    def read(self, progress: Progress | None) -> None:
+        say = progress.note if progress is not None else (lambda text: print(text, file=sys.stderr, flush=True))
+        for group in range(self.groups):
+            for line in self._new_lines(replica_log_path(self.run_dir.path, group)):
+                if line.get("event") == "start" and line.get("attempt", 0) > 0:
+                    say(f"mlscale: replica group {group} restarted (attempt {line['attempt']}); it will recover "
+                        "from a live peer")
+                elif line.get("event") == "received":
+                    say(f"mlscale: replica group {group} received the state of step {line['step']} from a peer "
+                        "and rejoined")
+        for metrics in self._new_lines(self.run_dir.metrics_path):
+            members = metrics.get("participants")
+            if members is not None and members != self.members:
+                if self.members is not None:
+                    say(f"mlscale: step {metrics['step']}: the quorum is replica groups "
+                        f"{', '.join(map(str, members))} ({len(members)} of {self.groups})")
+                self.members = members
+            if progress is not None:
+                progress.update(metrics["step"], metrics["loss"], metrics["samples_per_s"])
+
+
+def _fail(config: TrainConfig, run_dir: RunDir, failed: list[int], logs: Path) -> None:
+    lines = [f"training failed: replica group(s) {', '.join(map(str, failed))} stopped and the job did not finish."]
+    lines.append(f"  restarts per group: {config.max_restarts} (--max-restarts); the fewest replica groups that "
+                 f"may commit a step: {config.min_replicas} (--min-replicas).")
+    for group in failed:
+        where = traceback_path(run_dir, group)
+        lines.append(f"  replica group {group}: " + (f"traceback {where}" if where.exists() else
+                                                     f"log {logs / f'replica{group}.log'}"))
+    raise WorkerFailed("\n".join(lines), rank=failed[0])

@@ -1,0 +1,131 @@
+"""Per-step fault tolerance (torchft): killed replica groups cost the others no restart, and their
+replacements recover live from a peer.
+
+One run of 3 replica groups (real worker processes under their own torchrun agents, gloo, float64,
+checkpoints only at the end) loses two of them to SIGKILL: group 1 at step 5, then group 0, the quorum's
+leader that writes the run directory, at step 16. Each comes back under its agent and receives the
+state from a live peer. The final weights are compared with a reference that averages, step by step,
+the gradients of exactly the groups the quorum recorded.
+"""
+
+import json
+import statistics
+
+import pytest
+import torch
+
+from mlscale.config import TrainConfig
+from mlscale.data import ShardLoader
+from mlscale.tasks import make_task
+from mlscale.train.strategies.per_step import read_replica_logs
+from mlscale.train.trainer import build_optimizer, lr_factor
+from tests.helpers import final_weights, run_cli
+
+STEPS, GROUPS, BATCH, COMPUTE_MS = 28, 3, 16, 350
+KILLS = {1: 5, 0: 16}  # replica group -> the step (1-based) it is killed at
+
+
+@pytest.fixture(scope="module")
+def killed_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("per-step") / "run"
+    faults = [arg for group, step in KILLS.items() for arg in ("--fault", f"kill:rank={group}:step={step}")]
+    result = run_cli("train", "--task", "digits", "--workers", str(GROUPS), "--fault-tolerance", "per-step",
+                     "--steps", str(STEPS), "--batch-size", str(BATCH), "--dtype", "float64",
+                     "--simulated-compute-ms", str(COMPUTE_MS), "--heartbeat-timeout-ms", "300",
+                     "--max-restarts", "1", "--log-every", "4", "--collective-timeout", "30",
+                     "--run-dir", str(run_dir), *faults, timeout=150)
+    assert result.returncode == 0, result.stderr
+    return run_dir, json.loads((run_dir / "report.json").read_text()), read_replica_logs(run_dir), result.stderr
+
+
+def _steps(lines):
+    return [line for line in lines if line["event"] == "step"]
+
+
+def test_the_survivors_never_stop(killed_run):
+    _, report, logs, stderr = killed_run
+    assert report["status"] == "completed" and report["steps"] == STEPS
+    for victim, kill_step in KILLS.items():
+        killed_at = kill_step - 1  # the 0-based step it died before
+        for group in set(range(GROUPS)) - {victim}:
+            rows = [row for row in _steps(logs[group]) if row["committed"]]
+            typical = statistics.median(row["ms"] for row in rows)
+            around = [row for row in rows if abs(row["step"] - killed_at) <= 3]
+            assert around and all(row["ms"] < 3 * typical for row in around), (group, typical, around)
+    for group in set(range(GROUPS)) - set(KILLS):  # one process all along: never restarted
+        assert [line["attempt"] for line in logs[group] if line["event"] == "start"] == [0]
+    assert "replica group 0 restarted" in stderr and "replica group 1 restarted" in stderr
+
+
+def test_each_replacement_received_the_state_of_a_live_peer_bitwise(killed_run):
+    run_dir, report, logs, _ = killed_run
+    sent = {(line["step"], line["sha256"]) for lines in logs.values() for line in lines if line["event"] == "sent"}
+    for victim, kill_step in KILLS.items():
+        starts = [line for line in logs[victim] if line["event"] == "start"]
+        assert [line["attempt"] for line in starts] == [0, 1]
+        [received] = [line for line in logs[victim] if line["event"] == "received"]
+        assert received["step"] > kill_step - 1
+        # weights, optimizer state and schedule as the survivor that sent them held them
+        assert (received["step"], received["sha256"]) in sent
+    # no checkpoint existed then: only the final one is ever written (live recovery needs none)
+    assert sorted(path.name for path in (run_dir / "checkpoints").iterdir()) == [f"step_{STEPS:08d}"]
+    recoveries = report["recovery"]["live_recoveries"]
+    assert sorted(r["replica"] for r in recoveries) == [0, 1]
+    assert all(r["state_matches_sender"] and 0 < r["rejoin_s"] < 60 for r in recoveries)
+
+
+def test_every_replica_ends_with_the_same_state(killed_run):
+    _, _, logs, _ = killed_run
+    finals = {group: [line for line in lines if line["event"] == "final"][-1] for group, lines in logs.items()}
+    assert {line["step"] for line in finals.values()} == {STEPS}
+    assert len({line["sha256"] for line in finals.values()}) == 1
+
+
+def test_no_sample_is_trained_twice_and_the_missing_ones_are_counted(killed_run):
+    _, report, logs, _ = killed_run
+    for lines in logs.values():
+        committed = [row["step"] for row in _steps(lines) if row["committed"]]
+        assert len(committed) == len(set(committed))  # a redone step is the same batch, committed once
+    history = participants_by_step(report)
+    missing = sum(GROUPS - len(history.get(step, range(GROUPS))) for step in range(STEPS))
+    assert missing >= 2  # each kill cost at least the step it died before
+    assert report["recovery"]["samples_not_trained"] == missing * BATCH
+    assert report["samples_seen"] == (STEPS * GROUPS - missing) * BATCH
+
+
+def participants_by_step(report):
+    return {step: run["participants"] for run in report["recovery"]["degraded_steps"]
+            for step in range(run["steps"][0], run["steps"][1] + 1)}
+
+
+def test_the_weights_are_those_of_the_recorded_history(killed_run):
+    """A float64 reference that averages, at each step, the gradients of exactly the recorded participants."""
+    run_dir, report, _, _ = killed_run
+    config = TrainConfig(task="digits", steps=STEPS, batch_size=BATCH, dtype="float64", workers=GROUPS)
+    task = make_task("digits", {})
+    data = task.train.to(torch.float64)
+    torch.manual_seed(config.seed)
+    model = task.build_model().to(torch.float64)
+    optimizer = build_optimizer(config, model.parameters())
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(config, STEPS))
+    loaders = [ShardLoader(data, rank=shard, world=GROUPS, batch_size=BATCH, seed=config.seed)
+               for shard in range(GROUPS)]
+    history = participants_by_step(report)
+    for step in range(STEPS):
+        batches = [next(loader) for loader in loaders]  # every shard moves on, trained or not
+        members = history.get(step, list(range(GROUPS)))
+        total = None
+        for member in members:
+            model.zero_grad(set_to_none=True)
+            task.loss_fn(model(batches[member][0]), batches[member][1]).backward()
+            grads = [p.grad.clone() for p in model.parameters()]
+            total = grads if total is None else [a + b for a, b in zip(total, grads)]
+        for param, grad in zip(model.parameters(), total):
+            param.grad = grad / len(members)
+        optimizer.step()
+        schedule.step()
+    trained = final_weights(run_dir)
+    expected = model.state_dict()
+    assert trained.keys() == expected.keys()
+    worst = max((trained[k] - expected[k]).abs().max().item() for k in expected)
+    assert worst <= 1e-10, worst
