@@ -139,6 +139,9 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                            "starts one for the job")
     tolerance.add_argument("--min-replicas", type=int, metavar="N", help="per-step: the fewest replica groups that "
                            "may commit a step (default 1)")
+    tolerance.add_argument("--group-size", type=int, metavar="P", help="per-step: processes per replica group "
+                           "(default 1); with --strategy fsdp the model is sharded over each group's P processes and "
+                           "the groups replicate it (HSDP); --workers counts the groups")
     tolerance.add_argument("--heartbeat-timeout-ms", type=int, metavar="MS", help="per-step: how long the lighthouse "
                            "mlscale starts waits for a silent replica group before leaving it out of the quorum "
                            "(default 1000): shorter finds failures sooner, too short drops a busy one")
@@ -199,7 +202,7 @@ def _train(args: argparse.Namespace) -> int:
         "backup_workers", "straggler_threshold", "simulated_compute_ms", "progress", "stages", "microbatches",
         "schedule", "memory_limit_mb", "grad_accum", "compress", "bucket_mb", "clip_grad_norm", "eval_every", "log",
         "compile", "data_workers", "data_prefetch", "data_cache", "fault_tolerance", "lighthouse", "min_replicas",
-        "heartbeat_timeout_ms")}
+        "heartbeat_timeout_ms", "group_size")}
     if args.task_opt:
         overrides["task_options"] = dict(args.task_opt)
     if args.features or args.entities:  # the features task, with the retrieval's inputs as its options
@@ -303,6 +306,7 @@ BENCHMARKS = {
                        "ddp vs fsdp vs pipeline"),
     "data": ("mlscale.bench.data", "input pipeline: data wait and samples/s, naive vs workers vs cache"),
     "checkpoint": ("mlscale.bench.checkpoint", "training stall of checkpointing, blocking vs async"),
+    "recovery": ("mlscale.bench.recovery", "one failure: restart-all vs per-step fault tolerance (torchft)"),
     "export": ("mlscale.bench.export", "inference latency, onnxruntime vs eager torch, digits models"),
     "serve": ("mlscale.bench.serve", "serving goodput at an SLO vs LitServe, FastAPI and offline"),
     "features": ("mlscale.bench.features", "point-in-time retrieval vs pandas merge_asof; SQLite and Redis lookups"),

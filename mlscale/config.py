@@ -72,6 +72,8 @@ class TrainConfig(BaseModel):
     lighthouse: str | None = Field(None, description="per-step: the torchft lighthouse's address (default: "
                                    "mlscale starts one for the job on this machine)")
     min_replicas: int = Field(1, ge=1, description="per-step: the fewest replica groups that may commit a step")
+    group_size: int = Field(1, ge=1, description="per-step: processes per replica group (fsdp shards the model "
+                            "over them: HSDP); --workers counts the groups")
     heartbeat_timeout_ms: int = Field(1000, ge=50, description="per-step: how long the lighthouse mlscale starts "
                                       "waits for a silent replica before leaving it out of the quorum")
     faults: list[str] = Field(default_factory=list)
@@ -124,7 +126,7 @@ class TrainConfig(BaseModel):
 
     @model_validator(mode="after")
     def _per_step_options(self) -> TrainConfig:
-        options = ("lighthouse", "min_replicas", "heartbeat_timeout_ms")  # a saved config holds their defaults
+        options = ("lighthouse", "min_replicas", "heartbeat_timeout_ms", "group_size")  # saved with their defaults
         given = [name for name in options if getattr(self, name) != type(self).model_fields[name].default]
         if given and not self.per_step:
             raise ValueError(f"{given[0].replace('_', '-')} is an option of per-step fault tolerance: add "

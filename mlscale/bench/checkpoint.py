@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from mlscale.bench.machine import machine_info
-from mlscale.bench.report import pyplot, save_figure, write_results
+from mlscale.bench.report import median_bars, pyplot, save_figure, write_results
 from mlscale.cli_parsers import add_out_option, int_at_least
 
 MODES = ("blocking", "async")
@@ -98,12 +98,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
     fig, (stall_ax, speed_ax) = plt.subplots(1, 2, figsize=(10, 4))
     for ax, key, label in ((stall_ax, "stall_ms_p50", "training stall per checkpoint (ms)"),
                            (speed_ax, "samples_per_s", "training throughput (samples/s)")):
-        values = [[r[key] for r in results["runs"][mode]] for mode in MODES]
-        medians = [statistics.median(v) for v in values]
-        errors = [[m - min(v) for m, v in zip(medians, values)], [max(v) - m for m, v in zip(medians, values)]]
-        ax.bar(MODES, medians, yerr=errors, capsize=5, color=["tab:gray", "tab:blue"])
-        for i, m in enumerate(medians):  # inside the bar, where no error bar can cover it
-            ax.text(i, m / 2, f"{m:,.0f}", ha="center", va="center", color="white", fontweight="bold")
+        median_bars(ax, MODES, [[r[key] for r in results["runs"][mode]] for mode in MODES])
         ax.set_title(label)
     fig.suptitle(f"Checkpointing {results['state_mb']:.0f} MB of state: blocking vs async "
                  f"(stall {results['stall_ratio_blocking_over_async']:.1f}x lower)")

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import statistics
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from mlscale.plotting import pyplot, save_figure
 
-__all__ = ["pyplot", "save_figure", "write_results"]
+__all__ = ["median_bars", "pyplot", "save_figure", "write_results"]
 
 
 def write_results(out: str | Path, name: str, results: dict[str, Any],
@@ -21,3 +22,18 @@ def write_results(out: str | Path, name: str, results: dict[str, Any],
     json_path.write_text(json.dumps(results, indent=2) + "\n")
     plot(results, png_path)
     return json_path, png_path
+
+
+def median_bars(ax: Any, names: Sequence[str], values: Sequence[Sequence[float]]) -> list[float]:
+    """One bar per name at the median of its repeats, the error bar spanning their min and max; each
+    median written inside its bar (where no error bar covers it). Returns the medians."""
+    medians = [statistics.median(v) for v in values]
+    errors = [[m - min(v) for m, v in zip(medians, values)], [max(v) - m for m, v in zip(medians, values)]]
+    ax.bar(list(names), medians, yerr=errors, capsize=5, color=["tab:gray", "tab:blue"][: len(names)])
+    for i, m in enumerate(medians):
+        text = f"{m:,.2f}" if abs(m) < 100 else f"{m:,.0f}"
+        if m:
+            ax.text(i, m / 2, text, ha="center", va="center", color="white", fontweight="bold")
+        else:  # no bar to write in
+            ax.text(i, 0, text, ha="center", va="bottom", fontweight="bold")
+    return medians

@@ -120,7 +120,8 @@ class FaultInjector:
             handle.flush()
             os.fsync(handle.fileno())
 
-    def before_step(self, step: int) -> None:
+    def stop_if_due(self, step: int) -> None:
+        """A kill or hang due at ``step``: before the step begins (before its quorum, under per-step)."""
         fault = self._kill.get(step)
         if fault is not None:
             self._record(fault)
@@ -128,6 +129,9 @@ class FaultInjector:
                 os.kill(os.getpid(), signal.SIGKILL)
             while True:  # hang: alive, holding its sockets, never answering
                 time.sleep(3600)
+
+    def slow_down(self, step: int) -> None:
+        """A slow fault's delay at ``step``, spent inside the step's measured time."""
         delay = self.delay_s(step) if self._slow else 0.0
         if delay:
             time.sleep(delay)

@@ -52,8 +52,10 @@ def lighthouse(config: TrainConfig) -> Iterator[str]:
 
 
 def agent_command(config: TrainConfig, run_dir: RunDir) -> list[str]:
-    """One replica group's torchrun: its own rendezvous (``--standalone``), one worker, its own restarts."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc-per-node=1",
+    """One replica group's torchrun: its own rendezvous (``--standalone``), ``--group-size`` workers, its
+    own restarts."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+            f"--nproc-per-node={config.group_size}",
             f"--max-restarts={config.max_restarts}", "--monitor-interval=0.1",
             "-m", "mlscale.train", str(run_dir.path)]
 
@@ -66,6 +68,10 @@ def launch_replica_groups(config: TrainConfig, run_dir: RunDir, total_steps: int
                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "LOGLEVEL": "ERROR",
                "RUST_LOG": os.environ.get("RUST_LOG", "error"), "TORCH_CPP_LOG_LEVEL": "ERROR",
                NO_PROGRESS_ENV: "1"}
+        if config.group_size > 1:
+            # A fresh store per rendezvous round: a restarted group's ranks must not read the torchft
+            # Manager address its previous attempt published in the agent's store.
+            env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         logs = run_dir.logs / "agents"
         logs.mkdir(parents=True, exist_ok=True)
         agents = []

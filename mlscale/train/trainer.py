@@ -341,13 +341,14 @@ class Trainer:
         # A data rank counts its own steps (under async ps the global step can jump past a straggler's);
         # a rank without data counts global steps.
         own_step = (self.local_steps if self.loader is not None else self.step) + 1
-        self.faults.before_step(own_step)
+        self.faults.stop_if_due(own_step)
         wanted = self.strategy.begin_step()
         if wanted is not None and wanted != self.loader_step and self.loader is not None:
             self._seek(wanted)
             self.loader_step = wanted
         batch = self._next_batch()
         self.loader_step += 1
+        self.faults.slow_down(own_step)
         if self.faults.poisons(own_step):
             for learner in self.learners:
                 learner.poison_next = True

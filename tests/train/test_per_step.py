@@ -1,11 +1,13 @@
 """Per-step fault tolerance (torchft): killed replica groups cost the others no restart, and their
 replacements recover live from a peer.
 
-One run of 3 replica groups (real worker processes under their own torchrun agents, gloo, float64,
+One ddp run of 3 replica groups (real worker processes under their own torchrun agents, gloo, float64,
 checkpoints only at the end) loses two of them to SIGKILL: group 1 at step 5, then group 0, the quorum's
 leader that writes the run directory, at step 16. Each comes back under its agent and receives the
 state from a live peer. The final weights are compared with a reference that averages, step by step,
-the gradients of exactly the groups the quorum recorded.
+the gradients of exactly the groups the quorum recorded. One HSDP run (fsdp inside 2 groups of 2
+processes) loses a process of group 1: the whole group restarts and each of its ranks receives its own
+shards from the same rank of group 0.
 """
 
 import json
@@ -101,19 +103,25 @@ def participants_by_step(report):
 def test_the_weights_are_those_of_the_recorded_history(killed_run):
     """A float64 reference that averages, at each step, the gradients of exactly the recorded participants."""
     run_dir, report, _, _ = killed_run
-    config = TrainConfig(task="digits", steps=STEPS, batch_size=BATCH, dtype="float64", workers=GROUPS)
+    assert_trained_as_recorded(run_dir, report, GROUPS, group_size=1)
+
+
+def assert_trained_as_recorded(run_dir, report, groups, group_size):
+    shards = groups * group_size
+    config = TrainConfig(task="digits", steps=STEPS, batch_size=BATCH, dtype="float64", workers=groups)
     task = make_task("digits", {})
     data = task.train.to(torch.float64)
     torch.manual_seed(config.seed)
     model = task.build_model().to(torch.float64)
     optimizer = build_optimizer(config, model.parameters())
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(config, STEPS))
-    loaders = [ShardLoader(data, rank=shard, world=GROUPS, batch_size=BATCH, seed=config.seed)
-               for shard in range(GROUPS)]
+    loaders = [ShardLoader(data, rank=shard, world=shards, batch_size=BATCH, seed=config.seed)
+               for shard in range(shards)]
     history = participants_by_step(report)
     for step in range(STEPS):
         batches = [next(loader) for loader in loaders]  # every shard moves on, trained or not
-        members = history.get(step, list(range(GROUPS)))
+        groups_in = history.get(step, list(range(groups)))
+        members = [group * group_size + rank for group in groups_in for rank in range(group_size)]
         total = None
         for member in members:
             model.zero_grad(set_to_none=True)
@@ -129,3 +137,30 @@ def test_the_weights_are_those_of_the_recorded_history(killed_run):
     assert trained.keys() == expected.keys()
     worst = max((trained[k] - expected[k]).abs().max().item() for k in expected)
     assert worst <= 1e-10, worst
+
+
+@pytest.fixture(scope="module")
+def hsdp_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("hsdp") / "run"
+    result = run_cli("train", "--task", "digits", "--strategy", "fsdp", "--workers", "2", "--group-size", "2",
+                     "--fault-tolerance", "per-step", "--steps", str(STEPS), "--batch-size", str(BATCH),
+                     "--dtype", "float64", "--simulated-compute-ms", str(COMPUTE_MS), "--heartbeat-timeout-ms", "300",
+                     "--max-restarts", "1", "--log-every", "4", "--collective-timeout", "30",
+                     "--fault", "kill:rank=2:step=6", "--run-dir", str(run_dir), timeout=150)
+    assert result.returncode == 0, result.stderr
+    return run_dir, json.loads((run_dir / "report.json").read_text()), read_replica_logs(run_dir)
+
+
+def test_hsdp_a_replacement_group_receives_each_ranks_shards_and_trains_as_recorded(hsdp_run):
+    run_dir, report, logs = hsdp_run
+    assert report["status"] == "completed" and report["fault_tolerance"]["group_size"] == 2
+    for key in (0, (0, 1)):  # group 0's two processes never restarted
+        assert [line["attempt"] for line in logs[key] if line["event"] == "start"] == [0]
+    sent = {(line["step"], line["sha256"]) for lines in logs.values() for line in lines if line["event"] == "sent"}
+    for key in (1, (1, 1)):  # both ranks of group 1 came back and got their own rank's shards
+        [received] = [line for line in logs[key] if line["event"] == "received"]
+        assert (received["step"], received["sha256"]) in sent
+    finals = {key: [line for line in lines if line["event"] == "final"][-1]["sha256"] for key, lines in logs.items()}
+    assert finals[0] == finals[1] and finals[(0, 1)] == finals[(1, 1)]  # rank r's shards, bitwise, per group
+    assert report["recovery"]["samples_not_trained"] > 0
+    assert_trained_as_recorded(run_dir, report, groups=2, group_size=2)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from mlscale.config import TrainConfig
 from mlscale.errors import UsageError
 from mlscale.train.strategies.ddp import DDPStrategy
-from mlscale.train.strategies.per_step import PerStepDDPStrategy
+from mlscale.train.strategies.per_step import PerStepDDPStrategy, PerStepFSDPStrategy
 from mlscale.train.strategies.pipeline import PipelineStrategy
 from mlscale.train.strategies.ps import ParameterServerStrategy
 from mlscale.train.strategies.sharded import FSDPStrategy, TensorParallelStrategy
@@ -23,7 +23,7 @@ def strategy_class(name: str) -> type[Strategy]:
 
 
 # Strategies that run as torchft replica groups under --fault-tolerance per-step.
-PER_STEP: dict[str, type[Strategy]] = {PerStepDDPStrategy.name: PerStepDDPStrategy}
+PER_STEP: dict[str, type[Strategy]] = {cls.name: cls for cls in (PerStepDDPStrategy, PerStepFSDPStrategy)}
 
 
 def strategy_for(config: TrainConfig) -> type[Strategy]:
@@ -32,6 +32,6 @@ def strategy_for(config: TrainConfig) -> type[Strategy]:
     if not config.per_step:
         return strategy
     if config.strategy not in PER_STEP:
-        raise UsageError(f"bad value fault-tolerance='per-step': built for --strategy {', '.join(PER_STEP)} "
+        raise UsageError(f"bad value fault-tolerance='per-step': built for --strategy {' and '.join(PER_STEP)} "
                          f"(replica groups of torchft); --strategy {config.strategy} restarts on failure (restart)")
     return PER_STEP[config.strategy]

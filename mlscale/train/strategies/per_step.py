@@ -34,6 +34,7 @@ from torch import nn
 from mlscale.config import TrainConfig
 from mlscale.errors import UsageError
 from mlscale.train.strategies.ddp import DDPStrategy
+from mlscale.train.strategies.sharded import FSDPStrategy
 from mlscale.train.strategy import Batch, Setup, StepResult
 from mlscale.train.timing import median, now
 
@@ -97,17 +98,50 @@ def state_digest(state: Any) -> str:
     return digest.hexdigest()
 
 
-def replica_log_path(run_dir: str | Path, replica: int) -> Path:
-    return Path(run_dir) / "logs" / f"replica{replica}.jsonl"
+def replica_log_path(run_dir: str | Path, replica: int, rank: int = 0) -> Path:
+    """``logs/replica<g>.jsonl`` for rank 0 of replica group g (its only rank under ddp), else
+    ``logs/replica<g>-rank<r>.jsonl``."""
+    return Path(run_dir) / "logs" / (f"replica{replica}.jsonl" if rank == 0 else f"replica{replica}-rank{rank}.jsonl")
 
 
-def read_replica_logs(run_dir: str | Path) -> dict[int, list[dict[str, Any]]]:
-    """Every replica's log lines (``logs/replica<i>.jsonl``), by replica."""
-    logs: dict[int, list[dict[str, Any]]] = {}
+def read_replica_logs(run_dir: str | Path) -> dict[Any, list[dict[str, Any]]]:
+    """Every replica's log lines: by group (rank 0's file), and by (group, rank) for the other ranks."""
+    logs: dict[Any, list[dict[str, Any]]] = {}
     for path in sorted((Path(run_dir) / "logs").glob("replica*.jsonl")):
-        replica = int(path.stem.removeprefix("replica"))
-        logs[replica] = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        group, _, rank = path.stem.removeprefix("replica").partition("-rank")
+        key = (int(group), int(rank)) if rank else int(group)
+        logs[key] = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return logs
+
+
+def _local(value: Any) -> Any:
+    """A state dict with every DTensor replaced by this rank's shard (plain tensors travel everywhere)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return value.to_local()
+    if isinstance(value, dict):
+        return {key: _local(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_local(item) for item in value)
+    return value
+
+
+def _as_parameters(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+    """A received optimizer state (plain tensors) shaped as this rank's parameters: a sharded parameter's
+    per-parameter tensors (momentum, moments) become DTensors with its mesh and placements again."""
+    from torch.distributed.tensor import DTensor
+
+    params = [param for group in optimizer.param_groups for param in group["params"]]
+    for index, entry in state["state"].items():
+        param = params[int(index)]
+        if not isinstance(param, DTensor):
+            continue
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                entry[key] = DTensor.from_local(value, param.device_mesh, param.placements, run_check=False,
+                                                shape=param.shape, stride=param.stride())
+    return state
 
 
 def _add_to_runs(runs: list[list[Any]], step: int, members: list[int]) -> None:
@@ -118,21 +152,27 @@ def _add_to_runs(runs: list[list[Any]], step: int, members: list[int]) -> None:
         runs.append([step, step, list(members)])
 
 
-class PerStepDDPStrategy(DDPStrategy):
-    """``--strategy ddp --fault-tolerance per-step``: one process per replica group (its model unwrapped),
-    gradients all-reduced by torchft across the quorum after the backward pass."""
+class PerStep:
+    """Per-step fault tolerance around a strategy whose ranks each run the whole step (``ReplicaStrategy``):
+    mixed in before it. Each replica group is ``world_size`` processes (the strategy's own world); torchft
+    joins rank r of every group for the cross-group gradient average and for live recovery."""
 
     recovers_live = True
     compresses = False
     compiles = False
 
     @classmethod
+    def world_size(cls, config: TrainConfig) -> int:
+        return config.group_size  # processes per replica group; --workers counts the groups
+
+    @classmethod
     def check(cls, config: TrainConfig, world: int) -> None:
-        super().check(config, world)
-        if world != 1:
-            raise UsageError(f"bad value fault-tolerance='per-step': with --strategy ddp each replica group is one "
-                             f"process (WORLD_SIZE=1 per group, {world} here); start one torchrun per group with "
-                             f"its own REPLICA_GROUP_ID (mlscale train --workers N does this on one machine)")
+        super().check(config, world)  # type: ignore[misc]
+        if world != config.group_size:
+            raise UsageError(f"bad value group-size={config.group_size}: per-step fault tolerance runs replica "
+                             f"groups of --group-size processes, but this group has {world} (WORLD_SIZE); start "
+                             "one torchrun per group with its own REPLICA_GROUP_ID (mlscale train --workers N does "
+                             "this on one machine)")
         try:
             import torchft  # noqa: F401
         except ImportError:
@@ -142,18 +182,11 @@ class PerStepDDPStrategy(DDPStrategy):
             raise UsageError(f"bad value min-replicas={config.min_replicas}: more than the {config.workers} replica "
                              "group(s) of --workers; no step could ever commit")
 
-    @classmethod
-    def world_size(cls, config: TrainConfig) -> int:
-        return 1  # processes per replica group; --workers counts the groups
-
-    @classmethod
-    def replicas(cls, config: TrainConfig, world: int) -> int:
-        return 1  # per replica group; the trainer multiplies by the groups
-
     def setup(self, setup: Setup) -> None:
-        super().setup(setup)
+        super().setup(setup)  # type: ignore[misc]
         self.manager: Any = None
         self.replicas_total = self.env.replicas
+        self.shards_per_group = type(self).replicas(self.config, self.env.world_size)
         self.history: list[list[Any]] = []  # steps committed without every replica: [first, last, participants]
         self.samples_total = setup.start_step * self.global_batch  # trained by the job (a resume: all of them)
         self.samples_reported = self.samples_total
@@ -162,7 +195,7 @@ class PerStepDDPStrategy(DDPStrategy):
         self.step_began = now()
         self.received: int | None = None  # the step whose state this replica received from a peer
         self.sent = False
-        self.log_path = replica_log_path(self.config.run_dir or ".", self.env.replica)
+        self.log_path = replica_log_path(self.config.run_dir or ".", self.env.replica, self.env.rank)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_file = self.log_path.open("a", buffering=1)
         self._write({"event": "start", "attempt": self.env.attempt, "pid": os.getpid(), "step": setup.start_step})
@@ -186,9 +219,10 @@ class PerStepDDPStrategy(DDPStrategy):
             return
         ready = Path(self.config.run_dir or ".") / "logs" / "ready" / launch
         ready.mkdir(parents=True, exist_ok=True)
-        (ready / f"replica{self.env.replica}").touch()
+        (ready / f"member{self.env.member}").touch()
         deadline = time.monotonic() + self.config.collective_timeout_s
-        while len(list(ready.iterdir())) < self.replicas_total and time.monotonic() < deadline:
+        everyone = self.replicas_total * self.env.world_size
+        while len(list(ready.iterdir())) < everyone and time.monotonic() < deadline:
             time.sleep(0.01)
 
     def _start_manager(self) -> None:
@@ -208,21 +242,29 @@ class PerStepDDPStrategy(DDPStrategy):
         self.manager.load_state_dict({"step": self.steps_done, "batches_committed": self.steps_done})
         self._wait_for_launch()  # heartbeating now: the lighthouse waits for every replica that is
 
+    def _own_state(self) -> dict[str, Any]:
+        """This rank's model and update rule as plain tensors: its shards under fsdp (rank r of a group
+        sends to rank r of the replacement, which holds the same shards)."""
+        return {"model": _local(self.module.state_dict()), "learner": _local(self.learner.state_dict())}
+
     def _live_state(self) -> dict[str, Any]:
         """What a replacement receives: the model, the update rule and the job's bookkeeping."""
         self.sent = True
-        return {"model": self.plain.state_dict(), "learner": self.learner.state_dict(),
-                "job": {"history": self.history, "samples_total": self.samples_total}}
+        return {**self._own_state(), "job": {"history": self.history, "samples_total": self.samples_total}}
 
     def _load_live_state(self, state: dict[str, Any]) -> None:
-        self.plain.load_state_dict(state["model"])
-        self.learner.load_state_dict(state["learner"])
+        with torch.no_grad():
+            for name, tensor in _local(self.module.state_dict()).items():
+                tensor.copy_(state["model"][name])  # in place: a shard's local tensor is the parameter's
+        learner = state["learner"]
+        learner["optimizer"] = _as_parameters(self.learner.optimizer, learner["optimizer"])
+        self.learner.load_state_dict(learner)
         self.history = [list(run) for run in state["job"]["history"]]
         self.samples_total = int(state["job"]["samples_total"])
         self.received = self.manager.current_step()
 
     def _own_state_digest(self) -> str:
-        return state_digest({"model": self.plain.state_dict(), "learner": self.learner.state_dict()})
+        return state_digest(self._own_state())
 
     # -- the step -----------------------------------------------------------------------------------
     def begin_step(self) -> int | None:
@@ -244,12 +286,16 @@ class PerStepDDPStrategy(DDPStrategy):
 
     def reduce_gradients(self) -> bool:
         start = now()
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.module.parameters()]
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        params = list(self.module.parameters())
+        for param in params:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+        grads = [_local(param.grad) for param in params]  # under fsdp: this rank's reduce-scattered shard
+        flat = torch.cat([grad.reshape(-1) for grad in grads])
         self.manager.allreduce(flat).wait()  # the average over the quorum; errors are the manager's to tell
         offset = 0
-        for param, grad in zip(self.module.parameters(), grads):
-            param.grad = flat[offset: offset + grad.numel()].view_as(grad)
+        for grad in grads:
+            grad.copy_(flat[offset: offset + grad.numel()].view_as(grad))
             offset += grad.numel()
         self.allreduce_ms = (now() - start) * 1e3
         committed = self.manager.should_commit()
@@ -268,31 +314,39 @@ class PerStepDDPStrategy(DDPStrategy):
             return result
         if len(members) < self.replicas_total:
             _add_to_runs(self.history, step, members)
-        self.samples_total += len(members) * self.config.step_batch
+        self.samples_total += len(members) * self.shards_per_group * self.config.step_batch
         samples, self.samples_reported = self.samples_total - self.samples_reported, self.samples_total
-        for row in result.rows:
+        for row in result.rows:  # the quorum came before the batch; the all-reduce after the backward
             row.rank = self.env.member
-            row.step_ms += self.quorum_ms[-1] + self.allreduce_ms
+            row.step_ms += self.quorum_ms[-1]
             row.comm_ms += self.allreduce_ms
             row.comm_exposed_ms += self.quorum_ms[-1] + self.allreduce_ms
+            row.compute_ms -= self.allreduce_ms
         result.samples = samples
+        if result.done:  # before the end's gathers and releases (fsdp) change what this rank holds
+            self._write({"event": "final", "step": self.steps_done, "sha256": self._own_state_digest()})
         return result
 
     # -- records ------------------------------------------------------------------------------------
     @property
-    def writes_records(self) -> bool:
-        """The replica that leads the current quorum writes the run directory's records."""
+    def leads(self) -> bool:
+        """Whether this rank's replica group leads the current quorum (the same answer on all its ranks)."""
         return self.manager is not None and self.manager.participating_rank() == 0
 
     @property
+    def writes_records(self) -> bool:
+        """Rank 0 of the group that leads the current quorum writes the run directory's records."""
+        return self.leads and self.env.is_main
+
+    @property
     def saves_checkpoints(self) -> bool:
-        return self.writes_records  # every replica holds the same state: the leader writes it
+        return self.leads  # every group holds the same state: the leading one's ranks write it
 
     def evaluator(self) -> nn.Module | None:
-        return self.plain if self.writes_records else None
+        return super().evaluator() if self.leads else None  # type: ignore[misc]
 
     def full_model(self) -> nn.Module | None:
-        return self.plain if self.writes_records else None
+        return super().full_model() if self.leads else None  # type: ignore[misc]
 
     def log_fields(self, step: int, since: int) -> dict[str, Any]:
         degraded = [{"steps": [max(first, since), min(last, step)], "participants": members}
@@ -301,11 +355,12 @@ class PerStepDDPStrategy(DDPStrategy):
                 **({"degraded_steps": degraded} if degraded else {})}
 
     def report(self) -> dict[str, Any]:
-        not_trained = sum((last - first + 1) * (self.replicas_total - len(members)) * self.config.step_batch
-                          for first, last, members in self.history)
-        report = super().report()
+        not_trained = sum((last - first + 1) * (self.replicas_total - len(members)) * self.shards_per_group
+                          * self.config.step_batch for first, last, members in self.history)
+        report = super().report()  # type: ignore[misc]
         report["fault_tolerance"] = {
             "mode": "per-step", "engine": "torchft", "replicas": self.replicas_total,
+            "group_size": self.env.world_size,
             "min_replicas": self.config.min_replicas, "quorum_ms_p50": median(self.quorum_ms),
             "steps_discarded_here": self.discarded}
         report["recovery"] = {
@@ -319,10 +374,29 @@ class PerStepDDPStrategy(DDPStrategy):
         return report
 
     def close(self) -> None:
-        self._write({"event": "final", "step": self.steps_done, "sha256": self._own_state_digest()})
         self.log_file.close()
         if self.manager is not None:
             self.manager.shutdown(wait=False)
+        super().close()  # type: ignore[misc]
+
+
+class PerStepDDPStrategy(PerStep, DDPStrategy):
+    """``--strategy ddp --fault-tolerance per-step``: a replica group is one process (its model unwrapped);
+    gradients are all-reduced by torchft across the quorum after the backward pass."""
+
+    @classmethod
+    def check(cls, config: TrainConfig, world: int) -> None:
+        if config.group_size != 1:
+            raise UsageError(f"bad value group-size={config.group_size}: under --strategy ddp a replica group is "
+                             "one process; --strategy fsdp shards the model over a group of several (HSDP)")
+        super().check(config, world)
+
+
+class PerStepFSDPStrategy(PerStep, FSDPStrategy):
+    """``--strategy fsdp --fault-tolerance per-step``: HSDP, fault tolerant across the replicated dimension.
+    A replica group of ``--group-size`` processes shards the model with FSDP2 over its own world (the
+    gradients reduce-scattered inside the group); rank r of every group then averages its gradient shard
+    across the quorum through torchft, and a replacement group's rank r receives rank r's shards."""
 
 
 def live_recoveries(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -338,7 +412,8 @@ def live_recoveries(run_dir: str | Path) -> list[dict[str, Any]]:
                 last_alive = max((r["time"] for r in lines if r["time"] < line["time"] and r["event"] == "step"),
                                  default=None)
             if line.get("event") == "received":
-                events.append({"replica": replica, "step": line["step"],
+                group, rank = replica if isinstance(replica, tuple) else (replica, 0)
+                events.append({"replica": group, "rank": rank, "step": line["step"],
                                "rejoin_s": round(line["time"] - last_alive, 3) if last_alive else None,
                                "state_matches_sender": (line["step"], line["sha256"]) in sent})
     return events
