@@ -26,7 +26,7 @@ from mlscale.errors import WorkerFailed
 from mlscale.rundir import RunDir
 from mlscale.train.dist import REPLICA_ENV
 from mlscale.train.progress import Progress
-from mlscale.train.strategies.per_step import LAUNCH_ENV, LIGHTHOUSE_ENV, replica_log_path
+from mlscale.train.strategies.per_step import LAUNCH_ENV, LIGHTHOUSE_ENV, import_torchft, replica_log_path
 from mlscale.train.trainer import NO_PROGRESS_ENV
 from mlscale.train.worker import traceback_path
 
@@ -39,7 +39,7 @@ def lighthouse(config: TrainConfig) -> Iterator[str]:
     if config.lighthouse:
         yield config.lighthouse
         return
-    os.environ.setdefault("RUST_LOG", "error")  # torchft's servers log every quorum at info
+    import_torchft()
     from torchft.coordination import LighthouseServer
 
     server = LighthouseServer(bind="[::]:0", min_replicas=config.min_replicas,

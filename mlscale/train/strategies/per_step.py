@@ -42,6 +42,15 @@ LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own variable for the lighthou
 LAUNCH_ENV = "MLSCALE_LAUNCH"  # set by mlscale's local launcher: the replicas of one launch start together
 
 
+def import_torchft() -> Any:
+    """torchft, its Rust servers' logging at errors only unless ``$RUST_LOG`` says otherwise (read once,
+    when the module loads: every quorum is an info line)."""
+    os.environ.setdefault("RUST_LOG", "error")
+    import torchft
+
+    return torchft
+
+
 def _members_mixin(base: type) -> type:
     """A torchft process group that remembers which replica groups its current configuration joins (the
     quorum: torchft reconfigures the group whenever the quorum changes)."""
@@ -174,7 +183,7 @@ class PerStep:
                              "one torchrun per group with its own REPLICA_GROUP_ID (mlscale train --workers N does "
                              "this on one machine)")
         try:
-            import torchft  # noqa: F401
+            import_torchft()
         except ImportError:
             raise UsageError("bad value fault-tolerance='per-step': needs torchft (pip install "
                              "'mlscale[ft]')") from None
@@ -226,7 +235,7 @@ class PerStep:
             time.sleep(0.01)
 
     def _start_manager(self) -> None:
-        from torchft import Manager
+        Manager = import_torchft().Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
         _quiet_torchft(self.log_path.with_suffix(".torchft.log"))
