@@ -131,6 +131,9 @@ class TrainConfig(BaseModel):
         if given and not self.per_step:
             raise ValueError(f"{given[0].replace('_', '-')} is an option of per-step fault tolerance: add "
                              "--fault-tolerance per-step")
+        if self.lighthouse and "heartbeat_timeout_ms" in given:
+            raise ValueError("heartbeat-timeout-ms sets the lighthouse mlscale starts; with --lighthouse, give it to "
+                             "that lighthouse (torchft_lighthouse --heartbeat_timeout_ms)")
         return self
 
     @property

@@ -80,11 +80,11 @@ def failure_costs(run_dir: Path, mode: str, steady_s: float, steps: int, kill_st
         costs.update(rejoin_s=event["downtime_s"], steps_redone=event["steps_redone"], samples_not_trained=0)
         return costs
     logs = read_replica_logs(run_dir)
-    replacement = [line for line in logs[VICTIM] if line["event"] == "step" and line["committed"]
+    replacement = [line for line in logs[VICTIM, 0] if line["event"] == "step" and line["committed"]
                    and line["time"] > killed_at]
     discarded = max(sum(1 for line in lines if line["event"] == "step" and not line["committed"])
-                    for group, lines in logs.items() if group != VICTIM)
-    survivors_ms = [line["ms"] for group, lines in logs.items() if group != VICTIM for line in lines
+                    for (group, _), lines in logs.items() if group != VICTIM)
+    survivors_ms = [line["ms"] for (group, _), lines in logs.items() if group != VICTIM for line in lines
                     if line["event"] == "step" and line["committed"]]
     costs.update(rejoin_s=replacement[0]["time"] - killed_at, steps_redone=discarded,
                  samples_not_trained=report["recovery"]["samples_not_trained"],

@@ -93,6 +93,7 @@ def _agreed_attempt(attempt: int, device: torch.device) -> int:
 
 
 REPLICA_ENV = "REPLICA_GROUP_ID"  # torchft's name: which replica group this process belongs to
+JOB_START_ENV = "MLSCALE_JOB_START"  # the launcher's start time (unix seconds), inherited by every worker
 
 
 def replica_from_environ(replicas: int) -> int:
@@ -106,10 +107,13 @@ def replica_from_environ(replicas: int) -> int:
     return int(raw)
 
 
-def member_from_environ() -> int:
-    """``DistEnv.member`` before the worker has joined anything (for naming its traceback)."""
-    return int(os.environ.get(REPLICA_ENV, 0) or 0) * int(os.environ.get("WORLD_SIZE", 1)) + \
-        int(os.environ.get("RANK", 0))
+def member_from_environ(replicas: int = 1) -> int:
+    """``DistEnv.member`` before the worker has joined anything (for naming its traceback): the rank, plus
+    the replica group's offset under per-step fault tolerance (``replicas`` > 1)."""
+    rank = int(os.environ.get("RANK", 0))
+    if replicas <= 1:
+        return rank
+    return replica_from_environ(replicas) * int(os.environ.get("WORLD_SIZE", 1)) + rank
 
 
 def init_distributed(device_preference: str = "auto", timeout_s: float = 300.0, replicas: int = 1) -> DistEnv:

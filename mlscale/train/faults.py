@@ -1,6 +1,9 @@
 """Injected failures (``--fault SPEC``) for tests and demos.
 
-- ``kill:rank=R:step=K``: worker R kills itself with SIGKILL when it reaches step K.
+- ``kill:rank=R:step=K``: worker R kills itself with SIGKILL when it reaches step K (before the step
+  begins, so under per-step fault tolerance before its quorum).
+- ``kill_in_step:rank=R:step=K``: the same, in the middle of step K (after its quorum and batch, before
+  its gradients are averaged): a failure in flight, which per-step fault tolerance discards and redoes.
 - ``hang:rank=R:step=K``: worker R stops responding at step K (sleeps forever).
 - ``slow:rank=R:delay_ms=D``: worker R is D milliseconds slower on every step (a straggler).
   ``slow:rank=R:delay_ms=D:p=P`` is slow on a random fraction P of its steps only (a transient
@@ -34,6 +37,7 @@ _OPTIONAL = {"p"}
 ANY_RANK = -1  # rank=any
 _FIELDS = {
     "kill": ("rank", "step"),
+    "kill_in_step": ("rank", "step"),
     "hang": ("rank", "step"),
     "slow": ("rank", "delay_ms", "p"),
     "kill_during_checkpoint": ("step",),
@@ -91,6 +95,7 @@ class FaultInjector:
         faults = [parse_fault(spec) for spec in specs]
         once = [f for f in faults if first_attempt and f.kind != "slow"]
         self._kill = {f.step: f for f in once if f.kind in ("kill", "hang") and f.rank == rank}
+        self._kill_in_step = {f.step: f for f in once if f.kind == "kill_in_step" and f.rank == rank}
         self._checkpoint_kill = {f.step: f for f in once if f.kind == "kill_during_checkpoint"}
         self._inf = {f.step: f for f in once if f.kind == "inf_grad" and f.rank == rank}
         self._slow = [f for f in faults if f.kind == "slow" and f.rank in (rank, ANY_RANK)]
@@ -130,8 +135,13 @@ class FaultInjector:
             while True:  # hang: alive, holding its sockets, never answering
                 time.sleep(3600)
 
-    def slow_down(self, step: int) -> None:
-        """A slow fault's delay at ``step``, spent inside the step's measured time."""
+    def during_step(self, step: int) -> None:
+        """In step ``step``, once its batch is there: a kill in flight, or a slow fault's delay (spent
+        inside the step's measured time)."""
+        fault = self._kill_in_step.get(step)
+        if fault is not None:
+            self._record(fault)
+            os.kill(os.getpid(), signal.SIGKILL)
         delay = self.delay_s(step) if self._slow else 0.0
         if delay:
             time.sleep(delay)

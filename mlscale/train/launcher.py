@@ -60,11 +60,17 @@ def fit(config: TrainConfig, *, keep_group: bool = False) -> dict[str, Any]:
     run_dir = RunDir(config.run_dir)
     os.environ.setdefault(JOB_START_ENV, str(time.time()))
     if under_launcher():
-        return _run_here(config, run_dir, rank=member_from_environ(), keep_group=keep_group)
+        groups = config.workers if config.per_step else 1
+        return _run_here(config, run_dir, rank=member_from_environ(groups), keep_group=keep_group)
     with _unchanged_unless_it_trains(run_dir):
         _prepare(config, run_dir)
         if config.per_step:
-            launch_replica_groups(config, run_dir, total_steps(config, task.train, config.workers))
+            shards = strategy.replicas(config, world) * config.workers
+            try:
+                launch_replica_groups(config, run_dir, total_steps(config, task.train, shards))
+            except WorkerFailed as exc:
+                _write_failed_report(config, run_dir, exc.rank, str(exc).splitlines()[0])
+                raise
         elif world == 1:
             return _run_here(config, run_dir, rank=0)
         else:

@@ -24,6 +24,7 @@ _RECORD = struct.Struct("<qd")  # completed steps, unix time
 KNOCK_ON = re.compile(r"Connection closed by peer|Connection reset|Broken pipe|DistNetworkError|"
                       r"DistBackendError|ProcessGroupGloo|Gloo|NCCL|timed out|Timeout|SIGTERM", re.I)
 _FAULT_WORDS = {"kill": "was killed{at} (SIGKILL, injected by --fault)",
+                "kill_in_step": "was killed in the middle of a step{at} (SIGKILL, injected by --fault)",
                 "hang": "stopped responding{at} (a hang injected by --fault; its peers timed out waiting)",
                 "kill_during_checkpoint": "was killed while writing the checkpoint{at} (injected by --fault)"}
 

@@ -22,15 +22,22 @@ from pathlib import Path
 from typing import Any
 
 from mlscale.config import TrainConfig
-from mlscale.errors import WorkerFailed
+from mlscale.errors import UsageError, WorkerFailed
 from mlscale.rundir import RunDir
 from mlscale.train.dist import REPLICA_ENV
 from mlscale.train.progress import Progress
-from mlscale.train.strategies.per_step import LAUNCH_ENV, LIGHTHOUSE_ENV, import_torchft, replica_log_path
+from mlscale.train.strategies.per_step import (
+    LAUNCH_ENV,
+    LIGHTHOUSE_ENV,
+    import_torchft,
+    job_finished,
+    replica_log_path,
+)
 from mlscale.train.trainer import NO_PROGRESS_ENV
 from mlscale.train.worker import traceback_path
 
 _POLL_S = 0.2
+_FINISHED_GRACE_S = 15.0  # after the report: for the other groups to write their last lines and leave
 
 
 @contextlib.contextmanager
@@ -49,6 +56,22 @@ def lighthouse(config: TrainConfig) -> Iterator[str]:
         yield server.address()
     finally:
         server.shutdown()
+
+
+def gpus_per_group(config: TrainConfig) -> list[list[str]] | None:
+    """The CUDA devices of each group's torchrun (each numbers its workers' LOCAL_RANK from 0), or None on
+    the CPU. Several groups on one device would break NCCL, so too few devices is a usage error."""
+    import torch
+
+    if config.device == "cpu" or not torch.cuda.is_available():
+        return None
+    needed, count = config.workers * config.group_size, torch.cuda.device_count()
+    if count < needed:
+        raise UsageError(f"bad value workers={config.workers}: {config.workers} replica group(s) x "
+                         f"{config.group_size} process(es) need {needed} CUDA devices, this machine has {count} "
+                         "(use fewer, or --device cpu)")
+    return [[str(group * config.group_size + rank) for rank in range(config.group_size)]
+            for group in range(config.workers)]
 
 
 def agent_command(config: TrainConfig, run_dir: RunDir) -> list[str]:
@@ -74,11 +97,15 @@ def launch_replica_groups(config: TrainConfig, run_dir: RunDir, total_steps: int
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         logs = run_dir.logs / "agents"
         logs.mkdir(parents=True, exist_ok=True)
+        devices = gpus_per_group(config)
         agents = []
         try:
             for group in range(groups):
+                own = {REPLICA_ENV: str(group)}
+                if devices is not None:
+                    own["CUDA_VISIBLE_DEVICES"] = ",".join(devices[group])
                 with (logs / f"replica{group}.log").open("ab") as out:
-                    agents.append(subprocess.Popen(agent_command(config, run_dir), env={**env, REPLICA_ENV: str(group)},
+                    agents.append(subprocess.Popen(agent_command(config, run_dir), env={**env, **own},
                                                    stdout=out, stderr=subprocess.STDOUT))
             codes = _follow(config, run_dir, agents, total_steps)
         finally:
@@ -89,8 +116,7 @@ def launch_replica_groups(config: TrainConfig, run_dir: RunDir, total_steps: int
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     agent.wait(timeout=30)
     failed = [group for group, code in enumerate(codes) if code != 0]
-    completed = run_dir.report_path.exists() and run_dir.read_report().get("status") == "completed"
-    if completed:
+    if job_finished(run_dir.path):
         for group in failed:
             print(f"mlscale: replica group {group} stopped for good (its restarts spent); the others finished "
                   f"without it. Its log: {logs / f'replica{group}.log'}", file=sys.stderr)
@@ -103,9 +129,16 @@ def _follow(config: TrainConfig, run_dir: RunDir, agents: list[subprocess.Popen[
     replicas' logs. Returns the agents' exit codes."""
     watcher = _Watcher(run_dir, config.workers)
     progress = Progress(total) if config.progress else None
+    finished_at = None
     while any(agent.poll() is None for agent in agents):
         time.sleep(_POLL_S)
         watcher.read(progress)
+        if finished_at is None and job_finished(run_dir.path):
+            finished_at = time.monotonic()
+        if finished_at is not None and time.monotonic() - finished_at > _FINISHED_GRACE_S:
+            for agent in agents:  # a replacement that came too late, waiting for peers that are gone
+                if agent.poll() is None:
+                    agent.terminate()
     watcher.read(progress)
     if progress is not None:
         progress.close()
@@ -117,7 +150,9 @@ class _Watcher:
 
     def __init__(self, run_dir: RunDir, groups: int) -> None:
         self.run_dir, self.groups = run_dir, groups
-        self.offsets: dict[Path, int] = {}
+        paths = [run_dir.metrics_path, *(replica_log_path(run_dir.path, group) for group in range(groups))]
+        # What earlier launches of a resumed run wrote is not news.
+        self.offsets: dict[Path, int] = {path: path.stat().st_size for path in paths if path.exists()}
         self.members: list[int] | None = None
 
     def _new_lines(self, path: Path) -> list[dict[str, Any]]:
@@ -156,7 +191,7 @@ def _fail(config: TrainConfig, run_dir: RunDir, failed: list[int], logs: Path) -
     lines.append(f"  restarts per group: {config.max_restarts} (--max-restarts); the fewest replica groups that "
                  f"may commit a step: {config.min_replicas} (--min-replicas).")
     for group in failed:
-        where = traceback_path(run_dir, group)
+        where = traceback_path(run_dir, group * config.group_size)  # named by member: its rank 0's
         lines.append(f"  replica group {group}: " + (f"traceback {where}" if where.exists() else
                                                      f"log {logs / f'replica{group}.log'}"))
     raise WorkerFailed("\n".join(lines), rank=failed[0])

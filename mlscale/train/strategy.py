@@ -75,6 +75,22 @@ class StepResult:
     applied: bool = True  # False: the step was discarded (a peer failed during it) and its batch is redone
 
 
+class JobFinished(Exception):
+    """Raised by ``begin_step`` in a process that finds the job already finished without it (a replacement
+    that came too late to rejoin): it leaves quietly, exit 0."""
+
+
+@dataclass(frozen=True)
+class StepStart:
+    """What ``Strategy.begin_step`` tells the trainer about the step about to begin."""
+
+    step: int  # the global step about to be trained
+    # A process that has just received the job's state from a peer (per-step fault tolerance) jumps to
+    # that step: its data position (global, the same for every shard) and the samples trained so far.
+    position: Position | None = None
+    samples_seen: int | None = None
+
+
 @dataclass
 class Learner:
     """The update rule for a set of parameters: optimizer, LR schedule, loss scaler, autocast."""
@@ -234,10 +250,11 @@ class Strategy(ABC):
         groups hold the same state and one of them writes it)."""
         return True
 
-    def begin_step(self) -> int | None:
-        """Called before the next batch is read: the global step whose batch this rank trains next when
-        it is not simply the one after the last (per-step fault tolerance: the quorum's step, which jumps
-        when a replacement has recovered, and stays when a step was discarded); ``None``: in order."""
+    def begin_step(self, position: Position | None, samples_seen: int) -> StepStart | None:
+        """Called before the next batch is read, with the trainer's place now (its shard's data position,
+        the samples trained): ``None``, the next step follows the last. Under per-step fault tolerance
+        the quorum forms here, and a process that has just received the state from a peer is told where
+        to go on from (the peer's place). May raise ``JobFinished``."""
         return None
 
     def log_fields(self, step: int, since: int) -> dict[str, Any]:

@@ -31,17 +31,16 @@ from mlscale.lineage import code_version, data_fingerprint
 from mlscale.rundir import RunDir
 from mlscale.tasks import TensorData, make_task
 from mlscale.train.checkpoint import Checkpointer, capture_rng, restore_rng
-from mlscale.train.dist import DistEnv, broadcast_int
+from mlscale.train.dist import JOB_START_ENV, DistEnv, broadcast_int
 from mlscale.train.faults import FaultInjector
 from mlscale.train.memory import MEMORY_KEYS, peak_memory_mb
 from mlscale.train.progress import Progress
 from mlscale.train.recovery import Heartbeat, RecoveryTracker, recovery_summary
 from mlscale.train.stragglers import StragglerDetector
 from mlscale.train.strategies import strategy_for
-from mlscale.train.strategy import TIMING_KEYS, Batch, Learner, Setup, StepResult, StepRow
+from mlscale.train.strategy import TIMING_KEYS, Batch, Learner, Setup, StepResult, StepRow, StepStart
 from mlscale.train.timing import median, now
 
-JOB_START_ENV = "MLSCALE_JOB_START"
 NO_PROGRESS_ENV = "MLSCALE_NO_PROGRESS"  # set by a launcher that shows the job's progress itself
 
 
@@ -158,12 +157,14 @@ class Trainer:
         self.resumed_from: int | None = None
         self.resumed_world_size: int | None = None
         # A replacement under per-step fault tolerance gets the state from a live peer instead.
-        restarted = env.attempt > 0 and not strategy_type.recovers_live
-        found = self._latest_checkpoint() if config.resume or restarted else None
+        replacement = env.attempt > 0 and strategy_type.recovers_live
+        restarted = env.attempt > 0 and not replacement
+        found = self._latest_checkpoint() if (config.resume and not replacement) or restarted else None
         if found is not None:
             self.step = found[1]["step"]
         self.local_steps = self.step  # steps this rank has computed (equal to global steps under ddp)
-        self.loader_step = self.logged_step = self.step  # the global step whose batch the loader yields next
+        self.logged_step = self.step
+        self.redo_batch: Batch | None = None  # the batch of a step the strategy discarded, to train again
         torch.manual_seed(config.seed)  # the same initial weights on every rank
         model = self.task.build_model().to(dtype=self.dtype, device=env.device)
         self._seed_rank_rngs()
@@ -327,28 +328,35 @@ class Trainer:
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         return Batch(inputs, targets, self.loader.position, start, (now() - start) * 1e3)
 
-    def _seek(self, step: int) -> None:
-        """Read on from the batch of global ``step`` (every shard reads one batch a step)."""
-        shard = self.shard
-        assert shard is not None and self.loader is not None
-        per_epoch = epoch_steps_for(self.train_data, self.shards, self.config.step_batch, self.config.seed)
-        self.positions[shard] = Position(step // per_epoch, (step % per_epoch) * self.config.step_batch * self.shards)
-        if isinstance(self.loader, StreamLoader):
-            self.loader.close()
-        self.loader = self._make_loader()
+    def _jump(self, start: StepStart) -> None:
+        """Go on from where the peer that sent this process the job's state was: its step, its data
+        position (every shard's: positions are global), its count of samples and of logged steps."""
+        assert start.position is not None
+        self.step = self.logged_step = start.step
+        self.samples_seen = start.samples_seen if start.samples_seen is not None else self.samples_seen
+        self.positions = dict.fromkeys(range(self.shards), start.position)
+        if self.loader is not None:
+            if isinstance(self.loader, StreamLoader):
+                self.loader.close()
+            self.loader = self._make_loader()
+
+    def _next_or_same_batch(self) -> Batch | None:
+        """The next batch; the discarded step's again (timed afresh) when the strategy redoes it."""
+        start = self.strategy.begin_step(None if self.shard is None else self.positions[self.shard], self.samples_seen)
+        redo, self.redo_batch = self.redo_batch, None
+        if start is not None and start.position is not None:
+            self._jump(start)  # the state came from a peer: so does the place in the data
+        elif redo is not None:
+            return Batch(redo.inputs, redo.targets, redo.position, now(), 0.0)
+        return self._next_batch()
 
     def _train_step(self) -> StepResult:
         # A data rank counts its own steps (under async ps the global step can jump past a straggler's);
         # a rank without data counts global steps.
         own_step = (self.local_steps if self.loader is not None else self.step) + 1
         self.faults.stop_if_due(own_step)
-        wanted = self.strategy.begin_step()
-        if wanted is not None and wanted != self.loader_step and self.loader is not None:
-            self._seek(wanted)
-            self.loader_step = wanted
-        batch = self._next_batch()
-        self.loader_step += 1
-        self.faults.slow_down(own_step)
+        batch = self._next_or_same_batch()
+        self.faults.during_step(own_step)
         if self.faults.poisons(own_step):
             for learner in self.learners:
                 learner.poison_next = True
@@ -357,6 +365,8 @@ class Trainer:
             time.sleep(self.config.simulated_compute_ms / 1e3)
         result = self.strategy.step(batch)
         if not result.applied:
+            self.local_steps -= 1  # redone: the same step of this rank again
+            self.redo_batch = batch
             return result
         if self.memory is None:  # after the first step, when gradients and optimizer state exist
             self.memory = self.strategy.memory()

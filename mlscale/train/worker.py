@@ -21,6 +21,7 @@ from mlscale.rundir import RunDir
 from mlscale.train.dist import init_distributed, member_from_environ, shutdown_distributed
 from mlscale.train.memory import is_out_of_memory, memory_limit
 from mlscale.train.recovery import record_failure
+from mlscale.train.strategy import JobFinished
 from mlscale.train.trainer import Trainer
 
 
@@ -35,6 +36,9 @@ def run_worker(config: TrainConfig, run_dir: RunDir, destroy_group: bool = True)
     try:
         with memory_limit(config.memory_limit_mb, env.device):
             report = Trainer(config, env, run_dir).run()
+    except JobFinished as exc:
+        print(f"mlscale: {exc}; leaving", file=sys.stderr, flush=True)
+        return {}  # its peers are gone: no barrier to wait at
     except Exception as exc:
         if config.memory_limit_mb is not None and is_out_of_memory(exc):
             raise MemoryLimitExceeded(
@@ -61,9 +65,11 @@ def save_traceback(run_dir: RunDir, rank: int, exc: BaseException) -> Path:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     run_dir = RunDir(args[0])
-    rank = member_from_environ()
+    rank = int(os.environ.get("RANK", 0))
     try:
-        run_worker(TrainConfig(**run_dir.read_config()), run_dir, destroy_group=False)
+        config = TrainConfig(**run_dir.read_config())
+        rank = member_from_environ(config.workers if config.per_step else 1)
+        run_worker(config, run_dir, destroy_group=False)
     except BaseException as exc:  # reported to the agent, then exit 1
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 

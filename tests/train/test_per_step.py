@@ -2,10 +2,11 @@
 replacements recover live from a peer.
 
 One ddp run of 3 replica groups (real worker processes under their own torchrun agents, gloo, float64,
-checkpoints only at the end) loses two of them to SIGKILL: group 1 at step 5, then group 0, the quorum's
-leader that writes the run directory, at step 13. Each comes back under its agent and receives the
-state from a live peer. The final weights are compared with a reference that averages, step by step,
-the gradients of exactly the groups the quorum recorded. One HSDP run (fsdp inside 2 groups of 2
+checkpoints only at the end) loses two of them to SIGKILL: group 1 in the middle of step 5 (a step in
+flight, which the quorum discards and redoes), then group 0, the quorum's leader that writes the run
+directory, before step 13. Each comes back under its agent and receives the state from a live peer.
+The final weights are compared with a reference that averages, step by step, the gradients of exactly
+the groups the quorum recorded. One HSDP run (fsdp inside 2 groups of 2
 processes) loses a process of group 1: the whole group restarts and each of its ranks receives its own
 shards from the same rank of group 0.
 """
@@ -24,14 +25,14 @@ from mlscale.train.trainer import build_optimizer, lr_factor
 from tests.helpers import final_weights, run_cli
 
 STEPS, GROUPS, BATCH, COMPUTE_MS = 28, 3, 16, 300
-KILLS = {1: 5, 0: 13}  # replica group -> the step (1-based) it is killed at
+KILLS = {1: ("kill_in_step", 5), 0: ("kill", 13)}  # replica group -> how, and the step (1-based)
 HSDP_STEPS, HSDP_COMPUTE_MS = 28, 150
 
 
 @pytest.fixture(scope="module")
 def killed_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("per-step") / "run"
-    faults = [arg for group, step in KILLS.items() for arg in ("--fault", f"kill:rank={group}:step={step}")]
+    faults = [arg for group, (kind, step) in KILLS.items() for arg in ("--fault", f"{kind}:rank={group}:step={step}")]
     result = run_cli("train", "--task", "digits", "--workers", str(GROUPS), "--fault-tolerance", "per-step",
                      "--steps", str(STEPS), "--batch-size", str(BATCH), "--dtype", "float64",
                      "--simulated-compute-ms", str(COMPUTE_MS), "--heartbeat-timeout-ms", "300",
@@ -48,25 +49,24 @@ def _steps(lines):
 def test_the_survivors_never_stop(killed_run):
     _, report, logs, stderr = killed_run
     assert report["status"] == "completed" and report["steps"] == STEPS
-    for victim, kill_step in KILLS.items():
-        killed_at = kill_step - 1  # the 0-based step it died before
-        for group in set(range(GROUPS)) - {victim}:
-            rows = [row for row in _steps(logs[group]) if row["committed"]]
-            typical = statistics.median(row["ms"] for row in rows)
-            around = [row for row in rows if abs(row["step"] - killed_at) <= 3]
-            assert around and all(row["ms"] < 3 * typical for row in around), (group, typical, around)
+    killed_at = KILLS[0][1] - 1  # the 0-based step group 0 died before
+    for group in (1, 2):
+        rows = [row for row in _steps(logs[group, 0]) if row["committed"]]
+        typical = statistics.median(row["ms"] for row in rows)
+        around = [row for row in rows if abs(row["step"] - killed_at) <= 3]
+        assert around and all(row["ms"] < 3 * typical for row in around), (group, typical, around)
     for group in set(range(GROUPS)) - set(KILLS):  # one process all along: never restarted
-        assert [line["attempt"] for line in logs[group] if line["event"] == "start"] == [0]
+        assert [line["attempt"] for line in logs[group, 0] if line["event"] == "start"] == [0]
     assert "replica group 0 restarted" in stderr and "replica group 1 restarted" in stderr
 
 
 def test_each_replacement_received_the_state_of_a_live_peer_bitwise(killed_run):
     run_dir, report, logs, _ = killed_run
     sent = {(line["step"], line["sha256"]) for lines in logs.values() for line in lines if line["event"] == "sent"}
-    for victim, kill_step in KILLS.items():
-        starts = [line for line in logs[victim] if line["event"] == "start"]
+    for victim, (_, kill_step) in KILLS.items():
+        starts = [line for line in logs[victim, 0] if line["event"] == "start"]
         assert [line["attempt"] for line in starts] == [0, 1]
-        [received] = [line for line in logs[victim] if line["event"] == "received"]
+        [received] = [line for line in logs[victim, 0] if line["event"] == "received"]
         assert received["step"] > kill_step - 1
         # weights, optimizer state and schedule as the survivor that sent them held them
         assert (received["step"], received["sha256"]) in sent
@@ -82,6 +82,14 @@ def test_every_replica_ends_with_the_same_state(killed_run):
     finals = {group: [line for line in lines if line["event"] == "final"][-1] for group, lines in logs.items()}
     assert {line["step"] for line in finals.values()} == {STEPS}
     assert len({line["sha256"] for line in finals.values()}) == 1
+
+
+def test_the_step_in_flight_is_discarded_and_redone_once(killed_run):
+    _, _, logs, _ = killed_run
+    in_flight = KILLS[1][1] - 1
+    for group in (0, 2):  # group 0 was alive then
+        rows = [row for row in _steps(logs[group, 0]) if row["step"] == in_flight]
+        assert [row["committed"] for row in rows] == [False, True], rows
 
 
 def test_no_sample_is_trained_twice_and_the_missing_ones_are_counted(killed_run):
@@ -156,13 +164,13 @@ def hsdp_run(tmp_path_factory):
 def test_hsdp_a_replacement_group_receives_each_ranks_shards_and_trains_as_recorded(hsdp_run):
     run_dir, report, logs = hsdp_run
     assert report["status"] == "completed" and report["fault_tolerance"]["group_size"] == 2
-    for key in (0, (0, 1)):  # group 0's two processes never restarted
+    for key in ((0, 0), (0, 1)):  # group 0's two processes never restarted
         assert [line["attempt"] for line in logs[key] if line["event"] == "start"] == [0]
     sent = {(line["step"], line["sha256"]) for lines in logs.values() for line in lines if line["event"] == "sent"}
-    for key in (1, (1, 1)):  # both ranks of group 1 came back and got their own rank's shards
+    for key in ((1, 0), (1, 1)):  # both ranks of group 1 came back and got their own rank's shards
         [received] = [line for line in logs[key] if line["event"] == "received"]
         assert (received["step"], received["sha256"]) in sent
     finals = {key: [line for line in lines if line["event"] == "final"][-1]["sha256"] for key, lines in logs.items()}
-    assert finals[0] == finals[1] and finals[(0, 1)] == finals[(1, 1)]  # rank r's shards, bitwise, per group
+    assert finals[0, 0] == finals[1, 0] and finals[0, 1] == finals[1, 1]  # rank r's shards, bitwise, per group
     assert report["recovery"]["samples_not_trained"] > 0
     assert_trained_as_recorded(run_dir, report, groups=2, group_size=2, steps=HSDP_STEPS)

@@ -32,10 +32,12 @@ import torch
 from torch import nn
 
 from mlscale.config import TrainConfig
+from mlscale.data import Position
 from mlscale.errors import UsageError
+from mlscale.train.dist import JOB_START_ENV, under_launcher
 from mlscale.train.strategies.ddp import DDPStrategy
 from mlscale.train.strategies.sharded import FSDPStrategy
-from mlscale.train.strategy import Batch, Setup, StepResult
+from mlscale.train.strategy import Batch, JobFinished, Setup, StepResult, StepStart
 from mlscale.train.timing import median, now
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own variable for the lighthouse's address
@@ -91,7 +93,7 @@ def state_digest(state: Any) -> str:
         if isinstance(value, torch.Tensor):
             tensor = value.detach().cpu().contiguous()
             digest.update(f"T{tensor.dtype}{tuple(tensor.shape)}".encode())
-            digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+            digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
         elif isinstance(value, dict):
             for key in sorted(value, key=str):
                 digest.update(f"K{key!s}".encode())
@@ -113,13 +115,12 @@ def replica_log_path(run_dir: str | Path, replica: int, rank: int = 0) -> Path:
     return Path(run_dir) / "logs" / (f"replica{replica}.jsonl" if rank == 0 else f"replica{replica}-rank{rank}.jsonl")
 
 
-def read_replica_logs(run_dir: str | Path) -> dict[Any, list[dict[str, Any]]]:
-    """Every replica's log lines: by group (rank 0's file), and by (group, rank) for the other ranks."""
-    logs: dict[Any, list[dict[str, Any]]] = {}
+def read_replica_logs(run_dir: str | Path) -> dict[tuple[int, int], list[dict[str, Any]]]:
+    """Every replica log's lines, by (replica group, rank in it)."""
+    logs: dict[tuple[int, int], list[dict[str, Any]]] = {}
     for path in sorted((Path(run_dir) / "logs").glob("replica*.jsonl")):
         group, _, rank = path.stem.removeprefix("replica").partition("-rank")
-        key = (int(group), int(rank)) if rank else int(group)
-        logs[key] = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        logs[int(group), int(rank or 0)] = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return logs
 
 
@@ -190,6 +191,16 @@ class PerStep:
         if config.min_replicas > config.workers:
             raise UsageError(f"bad value min-replicas={config.min_replicas}: more than the {config.workers} replica "
                              "group(s) of --workers; no step could ever commit")
+        if under_launcher() and not (config.lighthouse or os.environ.get(LIGHTHOUSE_ENV)):
+            raise UsageError("bad value lighthouse=None: under your own torchrun, per-step fault tolerance needs the "
+                             "torchft lighthouse's address (--lighthouse http://HOST:29510; run torchft_lighthouse "
+                             "there)")
+        if "tensorboard" in config.log:
+            raise UsageError("bad value log='tensorboard': under per-step fault tolerance the group that writes the "
+                             "records changes with the quorum; read metrics.jsonl instead")
+        if config.bucket_mb != TrainConfig.model_fields["bucket_mb"].default:
+            raise UsageError(f"bad value bucket-mb={config.bucket_mb:g}: under per-step fault tolerance the gradients "
+                             "are averaged across groups in one all-reduce per step (torchft's), not in DDP buckets")
 
     def setup(self, setup: Setup) -> None:
         super().setup(setup)  # type: ignore[misc]
@@ -197,12 +208,11 @@ class PerStep:
         self.replicas_total = self.env.replicas
         self.shards_per_group = type(self).replicas(self.config, self.env.world_size)
         self.history: list[list[Any]] = []  # steps committed without every replica: [first, last, participants]
-        self.samples_total = setup.start_step * self.global_batch  # trained by the job (a resume: all of them)
-        self.samples_reported = self.samples_total
+        self.job: dict[str, Any] = {}  # the trainer's place now (data position, samples), sent with the state
         self.discarded = 0
         self.quorum_ms: list[float] = []
         self.step_began = now()
-        self.received: int | None = None  # the step whose state this replica received from a peer
+        self.received: dict[str, Any] | None = None  # the job's place that came with a peer's state
         self.sent = False
         self.log_path = replica_log_path(self.config.run_dir or ".", self.env.replica, self.env.rank)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -224,7 +234,7 @@ class PerStep:
         """A fresh local launch: every replica's first quorum waits for all of them, so that none starts
         training alone while the others are still importing torch (a late one would only be healed)."""
         launch = os.environ.get(LAUNCH_ENV)
-        if not launch or self.env.attempt > 0 or self.steps_done > 0:
+        if not launch or self.env.attempt > 0:  # a replacement joins whoever is there
             return
         ready = Path(self.config.run_dir or ".") / "logs" / "ready" / launch
         ready.mkdir(parents=True, exist_ok=True)
@@ -259,7 +269,7 @@ class PerStep:
     def _live_state(self) -> dict[str, Any]:
         """What a replacement receives: the model, the update rule and the job's bookkeeping."""
         self.sent = True
-        return {**self._own_state(), "job": {"history": self.history, "samples_total": self.samples_total}}
+        return {**self._own_state(), "job": {"history": self.history, **self.job}}
 
     def _load_live_state(self, state: dict[str, Any]) -> None:
         with torch.no_grad():
@@ -269,29 +279,34 @@ class PerStep:
         learner["optimizer"] = _as_parameters(self.learner.optimizer, learner["optimizer"])
         self.learner.load_state_dict(learner)
         self.history = [list(run) for run in state["job"]["history"]]
-        self.samples_total = int(state["job"]["samples_total"])
-        self.received = self.manager.current_step()
+        self.received = state["job"]
 
     def _own_state_digest(self) -> str:
         return state_digest(self._own_state())
 
     # -- the step -----------------------------------------------------------------------------------
-    def begin_step(self) -> int | None:
+    def begin_step(self, position: Position | None, samples_seen: int) -> StepStart | None:
         if self.manager is None:
+            if self.env.attempt > 0 and job_finished(self.config.run_dir or "."):
+                raise JobFinished("the job finished while this replica group was down")
             self._start_manager()
         self.step_began = now()
         self.sent, self.received = False, None
+        self.job = {"position": [position.epoch, position.offset] if position else None, "samples_seen": samples_seen}
         self.manager.start_quorum()  # the quorum now; a replacement receives the state here
         step = self.manager.current_step()
         self.quorum_ms.append((now() - self.step_began) * 1e3)
-        if self.received is not None:
-            self._write({"event": "received", "step": step, "sha256": self._own_state_digest(),
-                         "participants": list(self.group.members)})
-        elif self.sent:
-            self._write({"event": "sent", "step": step, "sha256": self._own_state_digest(),
-                         "participants": list(self.group.members)})
+        members = list(self.group.members)
+        if len(members) < self.replicas_total and job_finished(self.config.run_dir or "."):
+            raise JobFinished("the job finished without this replica group")  # it would train on alone
         self.steps_done = step
-        return step
+        if self.sent:
+            self._write({"event": "sent", "step": step, "sha256": self._own_state_digest(), "participants": members})
+        if self.received is None:
+            return None
+        self._write({"event": "received", "step": step, "sha256": self._own_state_digest(), "participants": members})
+        where = self.received["position"]
+        return StepStart(step, Position(*where) if where else None, self.received["samples_seen"])
 
     def reduce_gradients(self) -> bool:
         start = now()
@@ -323,15 +338,15 @@ class PerStep:
             return result
         if len(members) < self.replicas_total:
             _add_to_runs(self.history, step, members)
-        self.samples_total += len(members) * self.shards_per_group * self.config.step_batch
-        samples, self.samples_reported = self.samples_total - self.samples_reported, self.samples_total
+        shards = self.replicas_total * self.shards_per_group
+        result.positions = dict.fromkeys(range(shards), batch.position if batch is not None else Position())
         for row in result.rows:  # the quorum came before the batch; the all-reduce after the backward
             row.rank = self.env.member
             row.step_ms += self.quorum_ms[-1]
             row.comm_ms += self.allreduce_ms
             row.comm_exposed_ms += self.quorum_ms[-1] + self.allreduce_ms
             row.compute_ms -= self.allreduce_ms
-        result.samples = samples
+        result.samples = len(members) * self.shards_per_group * self.config.step_batch
         if result.done:  # before the end's gathers and releases (fsdp) change what this rank holds
             self._write({"event": "final", "step": self.steps_done, "sha256": self._own_state_digest()})
         return result
@@ -377,7 +392,6 @@ class PerStep:
                                for first, last, members in self.history],
             "steps_without_every_replica": sum(last - first + 1 for first, last, _ in self.history),
             "samples_not_trained": not_trained,
-            "samples_trained": self.samples_total,
             "live_recoveries": live_recoveries(self.config.run_dir or "."),
         }
         return report
@@ -408,20 +422,32 @@ class PerStepFSDPStrategy(PerStep, FSDPStrategy):
     across the quorum through torchft, and a replacement group's rank r receives rank r's shards."""
 
 
+def job_finished(run_dir: str | Path) -> bool:
+    """Whether this launch of the job has written its completed report (a replica that finds itself
+    without its peers then must not train on alone from where it stands)."""
+    path = Path(run_dir) / "report.json"
+    try:
+        started = float(os.environ.get(JOB_START_ENV, 0))
+        return path.stat().st_mtime >= started and json.loads(path.read_text()).get("status") == "completed"
+    except (OSError, ValueError):
+        return False
+
+
 def live_recoveries(run_dir: str | Path) -> list[dict[str, Any]]:
     """Each replacement that received the state from a peer: which replica, at which step, how long after
     its predecessor's last step, and whether the state matched the sender's digest."""
-    logs = read_replica_logs(run_dir)
+    started = float(os.environ.get(JOB_START_ENV, 0))  # this launch's, not a resumed run's earlier ones
+    logs = {key: [line for line in lines if line["time"] >= started]
+            for key, lines in read_replica_logs(run_dir).items()}
     sent = {(r["step"], r["sha256"]) for lines in logs.values() for r in lines if r.get("event") == "sent"}
     events = []
-    for replica, lines in logs.items():
+    for (group, rank), lines in logs.items():
         last_alive = None
         for line in lines:
             if line.get("event") == "start" and line["attempt"] > 0:
                 last_alive = max((r["time"] for r in lines if r["time"] < line["time"] and r["event"] == "step"),
                                  default=None)
             if line.get("event") == "received":
-                group, rank = replica if isinstance(replica, tuple) else (replica, 0)
                 events.append({"replica": group, "rank": rank, "step": line["step"],
                                "rejoin_s": round(line["time"] - last_alive, 3) if last_alive else None,
                                "state_matches_sender": (line["step"], line["sha256"]) in sent})
