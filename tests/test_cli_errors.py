@@ -32,6 +32,16 @@ from tests.helpers import run_cli
     (["--task", "synthetic", "--task-opt", "width=abc"], "task-opt width='abc': must be int"),
     (["--task", "synthetic", "--task-opt", "widht=8"], "has no option 'widht'"),
     (["--register", "a/b"], "name='a/b'"),
+    (["--min-replicas", "2"], "add --fault-tolerance per-step"),
+    (["--fault-tolerance", "per-step", "--strategy", "tp", "--workers", "2"], "built for --strategy ddp and fsdp"),
+    (["--fault-tolerance", "per-step", "--workers", "2", "--min-replicas", "3"], "min-replicas=3"),
+    (["--fault-tolerance", "per-step", "--workers", "2", "--group-size", "2"], "group-size=2"),
+    (["--fault-tolerance", "per-step", "--log", "tensorboard"], "log='tensorboard'"),
+    (["--fault-tolerance", "per-step", "--bucket-mb", "5"], "bucket-mb=5"),
+    (["--fault-tolerance", "per-step", "--lighthouse", "http://h:1", "--heartbeat-timeout-ms", "200"],
+     "torchft_lighthouse --heartbeat_timeout_ms"),
+    (["--fault-tolerance", "per-step", "--workers", "2", "--fault", "kill_in_step:rank=2:step=3"],
+     "rank 2 does not exist"),
 ])
 def test_bad_values_exit_2_with_one_line_naming_them(args, named, capsys, tmp_path):
     code = main(["train", *args, "--steps", "1", "--run-dir", str(tmp_path / "run")])

@@ -13,6 +13,7 @@ shards from the same rank of group 0.
 
 import json
 import statistics
+import time
 
 import pytest
 import torch
@@ -174,3 +175,19 @@ def test_hsdp_a_replacement_group_receives_each_ranks_shards_and_trains_as_recor
     assert finals[0, 0] == finals[1, 0] and finals[0, 1] == finals[1, 1]  # rank r's shards, bitwise, per group
     assert report["recovery"]["samples_not_trained"] > 0
     assert_trained_as_recorded(run_dir, report, groups=2, group_size=2, steps=HSDP_STEPS)
+
+
+def test_a_replica_that_finds_this_launchs_report_complete_leaves(tmp_path, monkeypatch):
+    """What keeps a replacement that came too late from training alone over a finished run."""
+    from mlscale.train.dist import JOB_START_ENV
+    from mlscale.train.strategies.per_step import job_finished
+
+    report = tmp_path / "report.json"
+    monkeypatch.setenv(JOB_START_ENV, str(time.time() - 60))
+    assert not job_finished(tmp_path)  # no report yet
+    report.write_text(json.dumps({"status": "failed"}))
+    assert not job_finished(tmp_path)
+    report.write_text(json.dumps({"status": "completed"}))
+    assert job_finished(tmp_path)
+    monkeypatch.setenv(JOB_START_ENV, str(time.time() + 60))  # an earlier launch's report (a resume)
+    assert not job_finished(tmp_path)
