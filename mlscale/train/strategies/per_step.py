@@ -231,9 +231,10 @@ class PerStep:
         return address
 
     def _wait_for_launch(self) -> None:
-        """A fresh local launch: every replica's first quorum waits for all of them, so that none starts
-        training alone while the others are still importing torch (a late one would only be healed)."""
-        launch = os.environ.get(LAUNCH_ENV)
+        """A launch (mlscale's own, or a fresh run under any launcher): every replica's first quorum waits
+        for all of them, so that none starts training alone while the others are still importing torch (a
+        late one would only be healed)."""
+        launch = os.environ.get(LAUNCH_ENV) or ("fresh" if self.steps_done == 0 else None)
         if not launch or self.env.attempt > 0:  # a replacement joins whoever is there
             return
         ready = Path(self.config.run_dir or ".") / "logs" / "ready" / launch
