@@ -134,13 +134,13 @@ class Checkpointer:
 
     def __init__(self, directory: str | Path, keep: int = 3, async_save: bool = False,
                  write_hook: WriteHook | None = None, *, rank: int | None = 0, group: Any = None,
-                 collective: bool = False) -> None:
+                 collective: bool = False, clean_leftovers: bool = True) -> None:
         self.directory = Path(directory)
         self.keep, self.async_save, self.write_hook = keep, async_save, write_hook
         self.rank, self.group, self.collective = rank, group, collective
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._cleaned = False
+        self._cleaned = not clean_leftovers
         self.write_ms: list[float] = []  # how long each checkpoint took to reach the disk, from the save call
 
     @property

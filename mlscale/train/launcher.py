@@ -293,7 +293,8 @@ def _terminated_by_agent(failure: Any) -> bool:
 def _write_failed_report(config: TrainConfig, run_dir: RunDir, rank: int, message: str) -> None:
     run_dir.write_report({
         "status": "failed", "task": config.task, "strategy": config.strategy,
-        "world_size": strategy_for(config).world_size(config), "workers": config.workers,
+        "world_size": strategy_for(config).world_size(config) * (config.workers if config.per_step else 1),
+        "workers": config.workers,
         "error": {"rank": rank, "message": message},
         "restarts": config.max_restarts,
         "wall_s": time.time() - float(os.environ.get(JOB_START_ENV, time.time())),

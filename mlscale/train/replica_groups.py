@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -70,7 +71,9 @@ def gpus_per_group(config: TrainConfig) -> list[list[str]] | None:
         raise UsageError(f"bad value workers={config.workers}: {config.workers} replica group(s) x "
                          f"{config.group_size} process(es) need {needed} CUDA devices, this machine has {count} "
                          "(use fewer, or --device cpu)")
-    return [[str(group * config.group_size + rank) for rank in range(config.group_size)]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")  # the devices this launcher was given, if narrowed
+    names = visible.split(",") if visible else [str(index) for index in range(count)]
+    return [[names[group * config.group_size + rank] for rank in range(config.group_size)]
             for group in range(config.workers)]
 
 
@@ -109,14 +112,9 @@ def launch_replica_groups(config: TrainConfig, run_dir: RunDir, total_steps: int
                                                    stdout=out, stderr=subprocess.STDOUT))
             codes = _follow(config, run_dir, agents, total_steps)
         finally:
-            for agent in agents:
-                if agent.poll() is None:
-                    agent.terminate()
-            for agent in agents:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    agent.wait(timeout=30)
+            _stop(agents)
     failed = [group for group, code in enumerate(codes) if code != 0]
-    if job_finished(run_dir.path):
+    if _completed(run_dir, total_steps):
         for group in failed:
             print(f"mlscale: replica group {group} stopped for good (its restarts spent); the others finished "
                   f"without it. Its log: {logs / f'replica{group}.log'}", file=sys.stderr)
@@ -133,12 +131,11 @@ def _follow(config: TrainConfig, run_dir: RunDir, agents: list[subprocess.Popen[
     while any(agent.poll() is None for agent in agents):
         time.sleep(_POLL_S)
         watcher.read(progress)
-        if finished_at is None and job_finished(run_dir.path):
+        if finished_at is None and _completed(run_dir, total):
             finished_at = time.monotonic()
         if finished_at is not None and time.monotonic() - finished_at > _FINISHED_GRACE_S:
-            for agent in agents:  # a replacement that came too late, waiting for peers that are gone
-                if agent.poll() is None:
-                    agent.terminate()
+            _stop(agents)  # a replacement that came too late, waiting for peers that are gone
+            return [0 if agent.returncode in (0, -signal.SIGTERM) else agent.returncode for agent in agents]
     watcher.read(progress)
     if progress is not None:
         progress.close()
@@ -163,7 +160,11 @@ class _Watcher:
             data = handle.read()
         complete = data[: data.rfind(b"\n") + 1]
         self.offsets[path] = self.offsets.get(path, 0) + len(complete)
-        return [json.loads(line) for line in complete.splitlines() if line.strip()]
+        lines = []
+        for line in complete.splitlines():
+            with contextlib.suppress(ValueError):  # a line torn by a process killed mid-write: not news
+                lines.append(json.loads(line))
+        return lines
 
     def read(self, progress: Progress | None) -> None:
         say = progress.note if progress is not None else (lambda text: print(text, file=sys.stderr, flush=True))
@@ -186,6 +187,30 @@ class _Watcher:
                 progress.update(metrics["step"], metrics["loss"], metrics["samples_per_s"])
 
 
+def _stop(agents: list[subprocess.Popen[bytes]], grace_s: float = 30.0) -> None:
+    """SIGTERM to the agents still running (each passes it to its workers), SIGKILL after ``grace_s``."""
+    for agent in agents:
+        if agent.poll() is None:
+            agent.terminate()
+    deadline = time.monotonic() + grace_s
+    for agent in agents:
+        try:
+            agent.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            agent.kill()
+            agent.wait()
+
+
+def _completed(run_dir: RunDir, total_steps: int) -> bool:
+    """The last step committed and the leader's completed report written."""
+    if not job_finished(run_dir.path, total_steps) or not run_dir.report_path.exists():
+        return False
+    with contextlib.suppress(ValueError):
+        report = run_dir.read_report()
+        return report.get("status") == "completed" and report.get("steps", 0) >= total_steps
+    return False
+
+
 def _fail(config: TrainConfig, run_dir: RunDir, failed: list[int], logs: Path) -> None:
     lines = [f"training failed: replica group(s) {', '.join(map(str, failed))} stopped and the job did not finish."]
     lines.append(f"  restarts per group: {config.max_restarts} (--max-restarts); the fewest replica groups that "
@@ -194,4 +219,4 @@ def _fail(config: TrainConfig, run_dir: RunDir, failed: list[int], logs: Path) -
         where = traceback_path(run_dir, group * config.group_size)  # named by member: its rank 0's
         lines.append(f"  replica group {group}: " + (f"traceback {where}" if where.exists() else
                                                      f"log {logs / f'replica{group}.log'}"))
-    raise WorkerFailed("\n".join(lines), rank=failed[0])
+    raise WorkerFailed("\n".join(lines), rank=failed[0] * config.group_size)  # its rank 0, counted in the job

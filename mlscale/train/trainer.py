@@ -146,7 +146,6 @@ class Trainer:
         self.stragglers = StragglerDetector(threshold=config.straggler_threshold)
 
         self.step, self.samples_seen = 0, 0
-        self.logged_step = 0  # the step of the latest metrics line
         self.memory: dict[str, float] | None = None
         self.data_workers = 0  # what the input pipeline runs with (--data-workers auto: measured)
         self.eval_data: TensorData | None = None
@@ -156,10 +155,10 @@ class Trainer:
         self.positions = {shard: Position() for shard in range(self.shards)}
         self.resumed_from: int | None = None
         self.resumed_world_size: int | None = None
-        # A replacement under per-step fault tolerance gets the state from a live peer instead.
-        replacement = env.attempt > 0 and strategy_type.recovers_live
-        restarted = env.attempt > 0 and not replacement
-        found = self._latest_checkpoint() if (config.resume and not replacement) or restarted else None
+        # A restarted process resumes from the newest checkpoint; under per-step fault tolerance a live
+        # peer's state then replaces it at the first quorum (when every group was lost, it is all there is).
+        restarted = env.attempt > 0 and not strategy_type.recovers_live
+        found = self._latest_checkpoint() if config.resume or env.attempt > 0 else None
         if found is not None:
             self.step = found[1]["step"]
         self.local_steps = self.step  # steps this rank has computed (equal to global steps under ddp)
@@ -181,6 +180,7 @@ class Trainer:
         if restarted and env.is_main:
             self.recovery = RecoveryTracker(run_dir.path, run_dir.path / "heartbeat", run_dir.logs / "faults.jsonl",
                                             attempt=env.attempt, resumed_from=self.step)
+        self.loader: ShardLoader | StreamLoader | None = None
         self.loader = None if self.shard is None else self._make_loader()
 
     def _make_loader(self) -> ShardLoader | StreamLoader:
@@ -205,7 +205,7 @@ class Trainer:
                                cache_dir=cache_dir, cache_key=cache_key, pin_memory=self.env.device.type == "cuda",
                                **plain)
 
-        workers = config.data_workers
+        workers = config.data_workers if self.loader is None else self.data_workers  # measured once
         if workers == "auto":  # timed without the cache: a candidate must not read what another made
             workers, timings = autotune_workers(lambda n: make(n, cache="none"))
             if self.env.is_main:
@@ -247,7 +247,9 @@ class Trainer:
         return Checkpointer(self.run_dir.checkpoints, keep=self.config.keep_checkpoints,
                             async_save=async_save, write_hook=self.faults.during_checkpoint_write,
                             rank=writers.index(self.env.rank) if writer else None, group=group,
-                            collective=writer and group is not None)
+                            collective=writer and group is not None,
+                            # under per-step, a partial checkpoint may be a live former leader's
+                            clean_leftovers=not strategy_for(self.config).recovers_live)
 
     def _latest_checkpoint(self) -> tuple[int, dict[str, Any]] | None:
         """Rank 0 picks the checkpoint and tells the others, so that every rank resumes from the same
@@ -332,7 +334,7 @@ class Trainer:
         """Go on from where the peer that sent this process the job's state was: its step, its data
         position (every shard's: positions are global), its count of samples and of logged steps."""
         assert start.position is not None
-        self.step = self.logged_step = start.step
+        self.step = self.logged_step = self.local_steps = start.step
         self.samples_seen = start.samples_seen if start.samples_seen is not None else self.samples_seen
         self.positions = dict.fromkeys(range(self.shards), start.position)
         if self.loader is not None:

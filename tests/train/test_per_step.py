@@ -13,7 +13,6 @@ shards from the same rank of group 0.
 
 import json
 import statistics
-import time
 
 import pytest
 import torch
@@ -177,17 +176,14 @@ def test_hsdp_a_replacement_group_receives_each_ranks_shards_and_trains_as_recor
     assert_trained_as_recorded(run_dir, report, groups=2, group_size=2, steps=HSDP_STEPS)
 
 
-def test_a_replica_that_finds_this_launchs_report_complete_leaves(tmp_path, monkeypatch):
+def test_a_replica_that_finds_the_last_step_committed_leaves(tmp_path):
     """What keeps a replacement that came too late from training alone over a finished run."""
-    from mlscale.train.dist import JOB_START_ENV
-    from mlscale.train.strategies.per_step import job_finished
+    from mlscale.train.strategies.per_step import finished_path, job_finished
 
-    report = tmp_path / "report.json"
-    monkeypatch.setenv(JOB_START_ENV, str(time.time() - 60))
-    assert not job_finished(tmp_path)  # no report yet
-    report.write_text(json.dumps({"status": "failed"}))
-    assert not job_finished(tmp_path)
-    report.write_text(json.dumps({"status": "completed"}))
-    assert job_finished(tmp_path)
-    monkeypatch.setenv(JOB_START_ENV, str(time.time() + 60))  # an earlier launch's report (a resume)
-    assert not job_finished(tmp_path)
+    assert not job_finished(tmp_path, 20)  # no marker yet
+    finished_path(tmp_path).parent.mkdir(parents=True)
+    finished_path(tmp_path).write_text(json.dumps({"step": 20}))
+    assert job_finished(tmp_path, 20)
+    assert not job_finished(tmp_path, 30)  # a resumed run going on to step 30
+    finished_path(tmp_path).write_text("{")  # torn
+    assert not job_finished(tmp_path, 20)

@@ -18,6 +18,7 @@ it sent or received and of its final state, so that anyone can check the replica
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -34,6 +35,7 @@ from torch import nn
 from mlscale.config import TrainConfig
 from mlscale.data import Position
 from mlscale.errors import UsageError
+from mlscale.io import atomic_write_json
 from mlscale.train.dist import JOB_START_ENV, under_launcher
 from mlscale.train.strategies.ddp import DDPStrategy
 from mlscale.train.strategies.sharded import FSDPStrategy
@@ -124,16 +126,19 @@ def read_replica_logs(run_dir: str | Path) -> dict[tuple[int, int], list[dict[st
     return logs
 
 
-def _local(value: Any) -> Any:
-    """A state dict with every DTensor replaced by this rank's shard (plain tensors travel everywhere)."""
+def _local(value: Any, copy: bool = False) -> Any:
+    """A state dict with every DTensor replaced by this rank's shard (plain tensors travel everywhere);
+    ``copy``: every tensor a copy (else views of the live ones)."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(value, DTensor):
-        return value.to_local()
+        value = value.to_local()
+    if isinstance(value, torch.Tensor):
+        return value.clone() if copy else value
     if isinstance(value, dict):
-        return {key: _local(item) for key, item in value.items()}
+        return {key: _local(item, copy) for key, item in value.items()}
     if isinstance(value, list | tuple):
-        return type(value)(_local(item) for item in value)
+        return type(value)(_local(item, copy) for item in value)
     return value
 
 
@@ -210,6 +215,7 @@ class PerStep:
         self.history: list[list[Any]] = []  # steps committed without every replica: [first, last, participants]
         self.job: dict[str, Any] = {}  # the trainer's place now (data position, samples), sent with the state
         self.discarded = 0
+        self.allreduces, self.bytes_sent = 0, 0  # torchft's all-reduces across groups, and what this rank sent
         self.quorum_ms: list[float] = []
         self.step_began = now()
         self.received: dict[str, Any] | None = None  # the job's place that came with a peer's state
@@ -240,9 +246,13 @@ class PerStep:
         ready = Path(self.config.run_dir or ".") / "logs" / "ready" / launch
         ready.mkdir(parents=True, exist_ok=True)
         (ready / f"member{self.env.member}").touch()
-        deadline = time.monotonic() + self.config.collective_timeout_s
+        wait_s = self.config.collective_timeout_s
+        deadline, since = time.monotonic() + wait_s, time.time() - wait_s  # older files: an earlier start's
         everyone = self.replicas_total * self.env.world_size
-        while len(list(ready.iterdir())) < everyone and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            with contextlib.suppress(OSError):
+                if sum(path.stat().st_mtime >= since for path in ready.iterdir()) >= everyone:
+                    return
             time.sleep(0.01)
 
     def _start_manager(self) -> None:
@@ -268,9 +278,11 @@ class PerStep:
         return {"model": _local(self.module.state_dict()), "learner": _local(self.learner.state_dict())}
 
     def _live_state(self) -> dict[str, Any]:
-        """What a replacement receives: the model, the update rule and the job's bookkeeping."""
+        """What a replacement receives: the model, the update rule and the job's bookkeeping. Copies: on
+        the CPU torchft serves the tensors it is given while this rank trains on (a forward may update
+        buffers in place before the replacement has read them)."""
         self.sent = True
-        return {**self._own_state(), "job": {"history": self.history, **self.job}}
+        return {**_local(self._own_state(), copy=True), "job": {"history": self.history, **self.job}}
 
     def _load_live_state(self, state: dict[str, Any]) -> None:
         with torch.no_grad():
@@ -288,7 +300,7 @@ class PerStep:
     # -- the step -----------------------------------------------------------------------------------
     def begin_step(self, position: Position | None, samples_seen: int) -> StepStart | None:
         if self.manager is None:
-            if self.env.attempt > 0 and job_finished(self.config.run_dir or "."):
+            if self.env.attempt > 0 and job_finished(self.config.run_dir or ".", self.total_steps):
                 raise JobFinished("the job finished while this replica group was down")
             self._start_manager()
         self.step_began = now()
@@ -298,7 +310,7 @@ class PerStep:
         step = self.manager.current_step()
         self.quorum_ms.append((now() - self.step_began) * 1e3)
         members = list(self.group.members)
-        if len(members) < self.replicas_total and job_finished(self.config.run_dir or "."):
+        if len(members) < self.replicas_total and job_finished(self.config.run_dir or ".", self.total_steps):
             raise JobFinished("the job finished without this replica group")  # it would train on alone
         self.steps_done = step
         if self.sent:
@@ -318,6 +330,7 @@ class PerStep:
         grads = [_local(param.grad) for param in params]  # under fsdp: this rank's reduce-scattered shard
         flat = torch.cat([grad.reshape(-1) for grad in grads])
         self.manager.allreduce(flat).wait()  # the average over the quorum; errors are the manager's to tell
+        self.allreduces, self.bytes_sent = self.allreduces + 1, self.bytes_sent + flat.numel() * flat.element_size()
         offset = 0
         for grad in grads:
             grad.copy_(flat[offset: offset + grad.numel()].view_as(grad))
@@ -350,6 +363,9 @@ class PerStep:
         result.samples = len(members) * self.shards_per_group * self.config.step_batch
         if result.done:  # before the end's gathers and releases (fsdp) change what this rank holds
             self._write({"event": "final", "step": self.steps_done, "sha256": self._own_state_digest()})
+            if self.writes_records:
+                atomic_write_json(finished_path(self.config.run_dir or "."), {"step": self.steps_done,
+                                                                              "time": time.time()})
         return result
 
     # -- records ------------------------------------------------------------------------------------
@@ -383,6 +399,8 @@ class PerStep:
         not_trained = sum((last - first + 1) * (self.replicas_total - len(members)) * self.shards_per_group
                           * self.config.step_batch for first, last, members in self.history)
         report = super().report()  # type: ignore[misc]
+        report["communication"] = {"cross_group_allreduces": self.allreduces, "bytes_sent": self.bytes_sent,
+                                   "grad_accum": self.config.grad_accum}  # no DDP buckets here
         report["fault_tolerance"] = {
             "mode": "per-step", "engine": "torchft", "replicas": self.replicas_total,
             "group_size": self.env.world_size,
@@ -423,14 +441,17 @@ class PerStepFSDPStrategy(PerStep, FSDPStrategy):
     across the quorum through torchft, and a replacement group's rank r receives rank r's shards."""
 
 
-def job_finished(run_dir: str | Path) -> bool:
-    """Whether this launch of the job has written its completed report (a replica that finds itself
-    without its peers then must not train on alone from where it stands)."""
-    path = Path(run_dir) / "report.json"
+def finished_path(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "logs" / "finished.json"
+
+
+def job_finished(run_dir: str | Path, total_steps: int) -> bool:
+    """Whether the quorum has committed the job's last step: the leader writes ``logs/finished.json``
+    then (before its final checkpoint and evaluation). A replica that finds itself without its peers, or
+    a replacement that starts after it, must not train on alone from where it stands."""
     try:
-        started = float(os.environ.get(JOB_START_ENV, 0))
-        return path.stat().st_mtime >= started and json.loads(path.read_text()).get("status") == "completed"
-    except (OSError, ValueError):
+        return int(json.loads(finished_path(run_dir).read_text())["step"]) >= total_steps
+    except (OSError, ValueError, KeyError, TypeError):
         return False
 
 
