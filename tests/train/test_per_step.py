@@ -12,6 +12,7 @@ shards from the same rank of group 0.
 """
 
 import json
+import shutil
 import statistics
 
 import pytest
@@ -155,8 +156,8 @@ def hsdp_run(tmp_path_factory):
                      "--fault-tolerance", "per-step", "--steps", str(HSDP_STEPS), "--batch-size", str(BATCH),
                      "--dtype", "float64", "--simulated-compute-ms", str(HSDP_COMPUTE_MS),
                      "--heartbeat-timeout-ms", "300", "--max-restarts", "1", "--log-every", "4",
-                     "--collective-timeout", "30", "--fault", "kill:rank=2:step=3", "--run-dir", str(run_dir),
-                     timeout=150)
+                     "--collective-timeout", "30", "--fault", "kill:rank=2:step=3", "--checkpoint-every", "8",
+                     "--run-dir", str(run_dir), timeout=150)
     assert result.returncode == 0, result.stderr
     return run_dir, json.loads((run_dir / "report.json").read_text()), read_replica_logs(run_dir)
 
@@ -187,3 +188,18 @@ def test_a_replica_that_finds_the_last_step_committed_leaves(tmp_path):
     assert not job_finished(tmp_path, 30)  # a resumed run going on to step 30
     finished_path(tmp_path).write_text("{")  # torn
     assert not job_finished(tmp_path, 20)
+
+
+def test_hsdp_checkpoints_are_written_by_the_leading_group_and_a_lost_job_resumes(hsdp_run, tmp_path):
+    """Checkpoints are for losing the whole job: the leading group's ranks write them together, and
+    ``--resume`` continues the run from the newest one."""
+    run_dir, _, _ = hsdp_run
+    steps = sorted(path.name for path in (run_dir / "checkpoints").iterdir())
+    assert steps[-1] == f"step_{HSDP_STEPS:08d}" and len(steps) >= 2
+    resumed = tmp_path / "run"
+    shutil.copytree(run_dir, resumed)
+    result = run_cli("train", "--run-dir", str(resumed), "--resume", "--steps", str(HSDP_STEPS + 4), timeout=120)
+    assert result.returncode == 0, result.stderr
+    report = json.loads((resumed / "report.json").read_text())
+    assert report["status"] == "completed" and report["resumed_from_step"] == HSDP_STEPS
+    assert report["steps"] == HSDP_STEPS + 4 and report["recovery"]["degraded_steps"] == []
