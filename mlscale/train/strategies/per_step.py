@@ -229,13 +229,6 @@ class PerStep:
     def _write(self, record: dict[str, Any]) -> None:
         self.log_file.write(json.dumps({"time": time.time(), **record}) + "\n")
 
-    def _lighthouse(self) -> str:
-        address = self.config.lighthouse or os.environ.get(LIGHTHOUSE_ENV)
-        if not address:
-            raise UsageError("per-step fault tolerance needs a torchft lighthouse: give --lighthouse ADDR (or set "
-                             f"${LIGHTHOUSE_ENV}); mlscale train --workers N starts one on this machine itself")
-        return address
-
     def _wait_for_launch(self) -> None:
         """A launch (mlscale's own, or a fresh run under any launcher): every replica's first quorum waits
         for all of them, so that none starts training alone while the others are still importing torch (a
@@ -267,7 +260,8 @@ class PerStep:
             pg=self.group, load_state_dict=self._load_live_state, state_dict=self._live_state,
             min_replica_size=self.config.min_replicas, use_async_quorum=False, timeout=timeout,
             quorum_timeout=timeout, rank=self.env.rank, world_size=self.env.world_size,
-            lighthouse_addr=self._lighthouse(), replica_id=f"replica_{self.env.replica}",
+            lighthouse_addr=self.config.lighthouse or os.environ[LIGHTHOUSE_ENV],  # checked before the start
+            replica_id=f"replica_{self.env.replica}",
             checkpoint_transport=_safe_transport(timeout), init_sync=False, max_retries=10)
         self.manager.load_state_dict({"step": self.steps_done, "batches_committed": self.steps_done})
         self._wait_for_launch()  # heartbeating now: the lighthouse waits for every replica that is
