@@ -249,7 +249,7 @@ class Trainer:
                             rank=writers.index(self.env.rank) if writer else None, group=group,
                             collective=writer and group is not None,
                             # under per-step, a partial checkpoint may be a live former leader's
-                            clean_leftovers=not strategy_for(self.config).recovers_live)
+                            clean_leftovers=not self.strategy.recovers_live)
 
     def _latest_checkpoint(self) -> tuple[int, dict[str, Any]] | None:
         """Rank 0 picks the checkpoint and tells the others, so that every rank resumes from the same
