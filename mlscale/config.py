@@ -141,6 +141,11 @@ class TrainConfig(BaseModel):
         """Per-step fault tolerance: every worker is a replica group of its own."""
         return self.fault_tolerance == "per-step"
 
+    @property
+    def replica_groups(self) -> int:
+        """Replica groups of the job: ``workers`` under per-step fault tolerance, else the one job."""
+        return self.workers if self.per_step else 1
+
 
 _CLI_NAMES = {"task_options": "task-opt", "faults": "fault", "collective_timeout_s": "collective-timeout"}
 

@@ -60,12 +60,11 @@ def fit(config: TrainConfig, *, keep_group: bool = False) -> dict[str, Any]:
     run_dir = RunDir(config.run_dir)
     os.environ.setdefault(JOB_START_ENV, str(time.time()))
     if under_launcher():
-        groups = config.workers if config.per_step else 1
-        return _run_here(config, run_dir, rank=member_from_environ(groups), keep_group=keep_group)
+        return _run_here(config, run_dir, rank=member_from_environ(config.replica_groups), keep_group=keep_group)
     with _unchanged_unless_it_trains(run_dir):
         _prepare(config, run_dir)
         if config.per_step:
-            shards = strategy.replicas(config, world) * config.workers
+            shards = strategy.replicas(config, world) * config.replica_groups
             try:
                 launch_replica_groups(config, run_dir, total_steps(config, task.train, shards))
             except WorkerFailed as exc:
@@ -149,7 +148,7 @@ def check_job(config: TrainConfig, data: TensorData | ParquetData, world: int,
             model = None
         if model is not None:
             strategy.check_model(config, model, world)
-    groups = config.workers if config.per_step else 1  # per-step: --workers replica groups of `world`
+    groups = config.replica_groups  # of `world` processes each
     workers = strategy.replicas(config, world) * groups
     if config.per_step and isinstance(data, ParquetData):
         raise UsageError("bad value fault-tolerance='per-step': Parquet data is not built for it yet (a replica "
@@ -293,7 +292,7 @@ def _terminated_by_agent(failure: Any) -> bool:
 def _write_failed_report(config: TrainConfig, run_dir: RunDir, rank: int, message: str) -> None:
     run_dir.write_report({
         "status": "failed", "task": config.task, "strategy": config.strategy,
-        "world_size": strategy_for(config).world_size(config) * (config.workers if config.per_step else 1),
+        "world_size": strategy_for(config).world_size(config) * config.replica_groups,
         "workers": config.workers,
         "error": {"rank": rank, "message": message},
         "restarts": config.max_restarts,

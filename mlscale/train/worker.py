@@ -31,8 +31,7 @@ class MemoryLimitExceeded(MlscaleError):
 
 def run_worker(config: TrainConfig, run_dir: RunDir, destroy_group: bool = True) -> dict[str, Any]:
     """Join the group, train, leave. Returns the report on rank 0 and ``{}`` elsewhere."""
-    groups = config.workers if config.per_step else 1  # per-step: --workers replica groups
-    env = init_distributed(config.device, config.collective_timeout_s, replicas=groups)
+    env = init_distributed(config.device, config.collective_timeout_s, replicas=config.replica_groups)
     try:
         with memory_limit(config.memory_limit_mb, env.device):
             report = Trainer(config, env, run_dir).run()
@@ -68,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", 0))
     try:
         config = TrainConfig(**run_dir.read_config())
-        rank = member_from_environ(config.workers if config.per_step else 1)
+        rank = member_from_environ(config.replica_groups)
         run_worker(config, run_dir, destroy_group=False)
     except BaseException as exc:  # reported to the agent, then exit 1
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
