@@ -131,12 +131,13 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    "checkpoint (per-step: restart a failed replica group's worker up to R times)")
     tolerance = p.add_argument_group("fault tolerance")
     tolerance.add_argument("--fault-tolerance", choices=["restart", "per-step"], help="restart (default): a failed "
-                           "worker stops the job, every worker restarts from the newest checkpoint. per-step (ddp, "
-                           "torchft): every worker is a replica group, the healthy ones go on without the failed one, "
-                           "and its replacement receives the current state from a live peer")
+                           "worker stops the job, every worker restarts from the newest checkpoint. per-step (ddp, or "
+                           "fsdp as HSDP; torchft): every worker is a replica group, the healthy ones go on without "
+                           "the failed one, and its replacement (--max-restarts per group) receives the current state "
+                           "from a live peer")
     tolerance.add_argument("--lighthouse", metavar="ADDR", help="per-step: the torchft lighthouse to join, e.g. "
-                           "http://host:29510 (multi-host and Kubernetes: run torchft_lighthouse); default: mlscale "
-                           "starts one for the job")
+                           "http://host:29510 (across hosts: run torchft_lighthouse, one torchrun per host with its "
+                           "REPLICA_GROUP_ID); default: mlscale starts one for the job")
     tolerance.add_argument("--min-replicas", type=int, metavar="N", help="per-step: the fewest replica groups that "
                            "may commit a step (default 1)")
     tolerance.add_argument("--group-size", type=int, metavar="P", help="per-step: processes per replica group "
