@@ -40,10 +40,11 @@ def _key(key: Key) -> str:
 class SQLiteStore:
     """One table per view: entity key (JSON) -> event time, values (JSON)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, timeout_s: float = 5.0) -> None:
         self.path = str(path)
         Path(self.path).parent.mkdir(parents=True, exist_ok=True)
-        self.connection = sqlite3.connect(self.path, check_same_thread=False)
+        # timeout: how long a read waits for a writer's lock (sqlite's busy timeout)
+        self.connection = sqlite3.connect(self.path, check_same_thread=False, timeout=timeout_s)
         self.connection.execute("PRAGMA journal_mode=WAL")
 
     @staticmethod
@@ -72,12 +73,14 @@ class SQLiteStore:
 class RedisStore:
     """``PREFIX:VIEW:KEY`` -> JSON [event time, values], in the Redis server at ``url``."""
 
-    def __init__(self, url: str, prefix: str = "mlscale") -> None:
+    def __init__(self, url: str, prefix: str = "mlscale", timeout_s: float | None = None) -> None:
+        """``timeout_s``: longest a connect or a reply may take (None: wait, as redis-py does)."""
         try:
             import redis
         except ImportError:
             raise UsageError("a Redis online store needs redis: pip install 'mlscale[features]'") from None
-        self.client, self.prefix = redis.Redis.from_url(url), prefix
+        self.client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self.prefix = prefix
 
     def _name(self, view: str, key: Key) -> str:
         return f"{self.prefix}:{view}:{_key(key)}"
@@ -93,12 +96,13 @@ class RedisStore:
         return [None if raw is None else tuple(orjson.loads(raw)) for raw in found]  # type: ignore[misc]
 
 
-def online_store(location: str | Path) -> OnlineStore:
-    """``redis://...`` -> Redis; anything else is a SQLite file."""
+def online_store(location: str | Path, timeout_s: float | None = None) -> OnlineStore:
+    """``redis://...`` -> Redis; anything else is a SQLite file. ``timeout_s``: longest one read may
+    wait on the store (a server that does not answer, a file locked by a writer)."""
     text = str(location)
     if text.startswith(("redis://", "rediss://", "unix://")):
-        return RedisStore(text)
-    return SQLiteStore(text)
+        return RedisStore(text, timeout_s=timeout_s)
+    return SQLiteStore(text) if timeout_s is None else SQLiteStore(text, timeout_s=timeout_s)
 
 
 def _micros(moment: datetime) -> int:
