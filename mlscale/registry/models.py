@@ -6,6 +6,8 @@ model is rebuilt from its task and the verified weights are loaded into it.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +36,36 @@ def signature_of(config: dict[str, Any], task: Task | None = None) -> dict[str, 
     model = build_model(config, task)
     dtype = getattr(torch, config.get("dtype", "float32"))
     sample = task.eval.to(dtype).inputs[:2]
-    with torch.no_grad():
+    with torch.no_grad(), _embeddings_fed_by(model, sample) as rows:
         output = model(sample)
+    spec: dict[str, Any] = {"name": "input", "datatype": v2_datatype(sample.dtype), "shape": [-1, *sample.shape[1:]]}
+    if rows:  # token ids: the server refuses an id the embedding has no row for (400, not a failed call)
+        spec["range"] = [0, min(rows) - 1]
     return {
-        "inputs": [{"name": "input", "datatype": v2_datatype(sample.dtype), "shape": [-1, *sample.shape[1:]]}],
+        "inputs": [spec],
         "outputs": [{"name": "output", "datatype": v2_datatype(output.dtype), "shape": [-1, *output.shape[1:]]}],
     }
+
+
+@contextmanager
+def _embeddings_fed_by(model: nn.Module, sample: torch.Tensor) -> Iterator[list[int]]:
+    """The row counts of the embeddings that look the model's input up (the same storage, as a model
+    of ours or Hugging Face's passes its ids on, maybe reshaped), found during one forward pass."""
+    rows: list[int] = []
+    if sample.dtype.is_floating_point:
+        yield rows
+        return
+
+    def record(module: nn.Module, args: tuple[Any, ...]) -> None:
+        if args and isinstance(args[0], torch.Tensor) and args[0].data_ptr() == sample.data_ptr():
+            rows.append(module.num_embeddings)
+
+    hooks = [m.register_forward_pre_hook(record) for m in model.modules() if isinstance(m, nn.Embedding)]
+    try:
+        yield rows
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 def sample_request(version: ModelVersion, rows: int = 1, *, predict: bool = False) -> dict[str, Any]:
