@@ -150,7 +150,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    help="seconds a collective may wait for a peer before the job treats it as hung (default 300)")
     p.add_argument("--fault", action="append", metavar="SPEC", dest="faults",
                    help="inject a failure (repeatable): kill:rank=R:step=K (before step K), kill_in_step:rank=R:step=K "
-                   "(in the middle of it), hang:rank=R:step=K, "
+                   "(in the middle of it; per-step: add :rejoin_by=J and the others wait before step J, at most "
+                   "--collective-timeout, until R's replacement is up), hang:rank=R:step=K, "
                    "slow:rank=R:delay_ms=D (add :p=P to be slow on a fraction P of steps; rank=any: a random "
                    "worker each step), kill_during_checkpoint:step=K")
     p.add_argument("--straggler-threshold", type=float, metavar="X",

@@ -4,6 +4,10 @@
   begins, so under per-step fault tolerance before its quorum).
 - ``kill_in_step:rank=R:step=K``: the same, in the middle of step K (after its quorum and batch, before
   its gradients are averaged): a failure in flight, which per-step fault tolerance discards and redoes.
+- ``:rejoin_by=J`` on either kill (per-step fault tolerance): the other replica groups do not begin
+  step J (at most ``--collective-timeout``) before R's replacement has started and its Manager heartbeats
+  to the lighthouse, so that it rejoins by step J however long it took to start (a slow host): what a
+  test or demo of live recovery waits on, instead of on the host being fast. Time held is no step's.
 - ``hang:rank=R:step=K``: worker R stops responding at step K (sleeps forever).
 - ``slow:rank=R:delay_ms=D``: worker R is D milliseconds slower on every step (a straggler).
   ``slow:rank=R:delay_ms=D:p=P`` is slow on a random fraction P of its steps only (a transient
@@ -32,12 +36,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from mlscale.errors import UsageError
+from mlscale.io import atomic_write_json
 
-_OPTIONAL = {"p"}
+_OPTIONAL = {"p", "rejoin_by"}
 ANY_RANK = -1  # rank=any
 _FIELDS = {
-    "kill": ("rank", "step"),
-    "kill_in_step": ("rank", "step"),
+    "kill": ("rank", "step", "rejoin_by"),
+    "kill_in_step": ("rank", "step", "rejoin_by"),
     "hang": ("rank", "step"),
     "slow": ("rank", "delay_ms", "p"),
     "kill_during_checkpoint": ("step",),
@@ -52,6 +57,7 @@ class Fault:
     step: int = 0
     delay_ms: float = 0.0
     p: float = 1.0  # the fraction of steps a slow fault is slow on
+    rejoin_by: int = 0  # a kill: the step before which the others wait for the killed rank's replacement
 
 
 def parse_fault(spec: str) -> Fault:
@@ -68,8 +74,12 @@ def parse_fault(spec: str) -> Fault:
     missing = [field for field in _FIELDS[kind] if field not in values and field not in _OPTIONAL]
     if missing:
         raise UsageError(f"bad value fault={spec!r}: missing {', '.join(missing)}")
-    return Fault(kind=kind, rank=int(values.get("rank", 0)), step=int(values.get("step", 0)),
-                 delay_ms=values.get("delay_ms", 0.0), p=values.get("p", 1.0))
+    fault = Fault(kind=kind, rank=int(values.get("rank", 0)), step=int(values.get("step", 0)),
+                  delay_ms=values.get("delay_ms", 0.0), p=values.get("p", 1.0),
+                  rejoin_by=int(values.get("rejoin_by", 0)))
+    if "rejoin_by" in values and fault.rejoin_by <= fault.step:
+        raise UsageError(f"bad value fault={spec!r}: rejoin_by must come after the step of the kill ({fault.step})")
+    return fault
 
 
 def _number(spec: str, key: str, raw: str, kind: str) -> float:
@@ -91,7 +101,8 @@ class FaultInjector:
     """Applies the faults aimed at this rank; does nothing when there are none."""
 
     def __init__(self, specs: list[str], rank: int, first_attempt: bool, log_path: Path | None = None,
-                 data_ranks: list[int] | None = None, seed: int = 0) -> None:
+                 data_ranks: list[int] | None = None, seed: int = 0, fresh: bool = True, hold_s: float = 0.0,
+                 started: float = 0.0) -> None:
         faults = [parse_fault(spec) for spec in specs]
         once = [f for f in faults if first_attempt and f.kind != "slow"]
         self._kill = {f.step: f for f in once if f.kind in ("kill", "hang") and f.rank == rank}
@@ -101,6 +112,14 @@ class FaultInjector:
         self._slow = [f for f in faults if f.kind == "slow" and f.rank in (rank, ANY_RANK)]
         self._data_ranks = data_ranks if data_ranks is not None else [rank]
         self.rank, self.log_path, self.seed = rank, log_path, seed
+        # rejoin_by: kills fire in a fresh run only; a replacement (not the first attempt) of a rank killed
+        # so says when it is up, the others wait for that. ``started``: this launch's start (unix seconds),
+        # before which a fired kill is an earlier launch's.
+        rejoins = [f for f in faults if f.rejoin_by] if fresh and log_path is not None else []
+        self._awaited = [f for f in rejoins if f.rank != rank]
+        self._announces = not first_attempt and any(f.rank == rank for f in rejoins)
+        self._settled: set[Fault] = set()
+        self.hold_s, self.started = hold_s, started
 
     def delay_s(self, step: int) -> float:
         """How much slower this rank is at ``step``: the same answer on every rank for every step."""
@@ -146,6 +165,37 @@ class FaultInjector:
         if delay:
             time.sleep(delay)
 
+    def ready(self) -> None:
+        """Called once this process can be seen by its peers (per-step: its Manager heartbeats to the
+        lighthouse). The replacement of a rank killed with ``rejoin_by`` says so in
+        ``logs/rejoined/rank<R>.json``."""
+        if self._announces and self.log_path is not None:
+            atomic_write_json(rejoined_path(self.log_path.parent, self.rank), {"time": time.time()})
+
+    def hold(self, step: int) -> None:
+        """Before ``step`` begins: for each rank killed with ``rejoin_by`` <= ``step``, wait until its kill
+        has fired and its replacement is up (at most ``hold_s``, once per kill)."""
+        for fault in self._awaited:
+            if fault in self._settled or step < fault.rejoin_by:
+                continue
+            deadline = time.monotonic() + self.hold_s
+            while not self._replaced(fault) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            self._settled.add(fault)
+
+    def _replaced(self, fault: Fault) -> bool:
+        assert self.log_path is not None
+        fired = [record["time"] for record in _records(self.log_path)
+                 if (record.get("kind"), record.get("rank"), record.get("step")) == (fault.kind, fault.rank, fault.step)
+                 and record.get("time", 0) >= self.started]
+        if not fired:
+            return False
+        try:
+            up = json.loads(rejoined_path(self.log_path.parent, fault.rank).read_text())["time"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+        return bool(up >= max(fired))
+
     def poisons(self, step: int) -> bool:
         """Whether this rank's loss is to be made infinite at ``step`` (``inf_grad``), recorded once."""
         fault = self._inf.pop(step, None)
@@ -162,3 +212,25 @@ class FaultInjector:
         with partial_file.open("r+b") as handle:  # leave a torn file, as a crash mid-write would
             handle.truncate(max(1, partial_file.stat().st_size // 2))
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def rejoined_path(logs: Path, rank: int) -> Path:
+    """Where the replacement of a rank killed with ``rejoin_by`` says it is up."""
+    return logs / "rejoined" / f"rank{rank}.json"
+
+
+def _records(path: Path) -> list[dict[str, object]]:
+    """The faults fired so far (``logs/faults.jsonl``); a line torn by a process killed mid-write is skipped."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return []
+    records = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records

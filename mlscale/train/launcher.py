@@ -163,6 +163,9 @@ def check_job(config: TrainConfig, data: TensorData | ParquetData, world: int,
         if fault.kind != "kill_during_checkpoint" and fault.rank >= world * groups:
             raise UsageError(f"bad value fault={spec!r}: rank {fault.rank} does not exist with {world * groups} "
                              f"process(es) (ranks 0..{world * groups - 1})")
+        if fault.rejoin_by and not (config.per_step and config.max_restarts):
+            raise UsageError(f"bad value fault={spec!r}: rejoin_by waits for the killed rank's replacement, which "
+                             "needs --fault-tolerance per-step and --max-restarts 1 or more")
     if config.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("bad value device='cuda': no CUDA device is available here (torch "
                          f"{torch.__version__}); use --device cpu or auto")

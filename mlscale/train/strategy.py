@@ -167,6 +167,9 @@ class Setup:
     total_steps: int
     start_step: int
     global_batch: int
+    # Called by a strategy once this process can be seen by its peers (per-step fault tolerance: its
+    # torchft Manager heartbeats to the lighthouse); the trainer's fault injector listens (rejoin_by).
+    ready: Callable[[], None] = lambda: None
 
 
 class Strategy(ABC):

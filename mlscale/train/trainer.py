@@ -138,7 +138,9 @@ class Trainer:
                       for rank, shard in enumerate(layout) if shard is not None]
         self.strategy = strategy_type(env, config)
         self.faults = FaultInjector(config.faults, env.member, first_attempt=env.attempt == 0 and not config.resume,
-                                    log_path=run_dir.logs / "faults.jsonl", data_ranks=data_ranks, seed=config.seed)
+                                    log_path=run_dir.logs / "faults.jsonl", data_ranks=data_ranks, seed=config.seed,
+                                    fresh=not config.resume, hold_s=config.collective_timeout_s,
+                                    started=float(os.environ.get(JOB_START_ENV, 0)))
         self.total_steps = total_steps(config, self.train_data, self.shards)
         self.global_batch = config.step_batch * self.shards
         self.checkpointer = self._make_checkpointer(strategy_type.checkpoint_ranks(config, env.world_size))
@@ -169,7 +171,8 @@ class Trainer:
         self._seed_rank_rngs()
         self.strategy.setup(Setup(model=model, build_model=lambda: self.task.build_model().to(dtype=self.dtype),
                                   make_learner=self._make_learner, loss_fn=self.task.loss_fn,
-                                  total_steps=self.total_steps, start_step=self.step, global_batch=self.global_batch))
+                                  total_steps=self.total_steps, start_step=self.step, global_batch=self.global_batch,
+                                  ready=self.faults.ready))
         if found is not None:
             self._restore(*found)
             if env.distributed:  # nobody saves (and prunes) before every rank has read its part
@@ -357,6 +360,7 @@ class Trainer:
         # a rank without data counts global steps.
         own_step = (self.local_steps if self.loader is not None else self.step) + 1
         self.faults.stop_if_due(own_step)
+        self.faults.hold(own_step)  # rejoin_by: a killed peer's replacement is up first (not timed)
         batch = self._next_or_same_batch()
         self.faults.during_step(own_step)
         if self.faults.poisons(own_step):

@@ -1,4 +1,8 @@
-"""Straggler detection, slow-fault draws and parameter sharding, in-process (no workers started)."""
+"""Straggler detection, slow-fault draws, rejoin_by holds and parameter sharding, in-process (no workers
+started)."""
+
+import threading
+import time
 
 import pytest
 
@@ -75,3 +79,28 @@ def test_parameters_are_sharded_whole_and_balanced_by_size():
     loads = [sum(sizes[i] for i in shard) for shard in shards]
     assert max(loads) - min(loads) <= 300, loads
     assert shard_by_size(sizes, 1) == [list(range(len(sizes)))]
+
+
+def test_rejoin_by_holds_the_others_until_the_killed_ranks_replacement_is_up(tmp_path):
+    """What lets a per-step test wait on a replacement's start instead of on the host being fast."""
+    log = tmp_path / "logs" / "faults.jsonl"
+    spec = "kill:rank=0:step=3:rejoin_by=5"
+    assert parse_fault(spec).rejoin_by == 5
+    with pytest.raises(UsageError, match="rejoin_by must come after"):
+        parse_fault("kill:rank=0:step=3:rejoin_by=3")
+    victim = FaultInjector([spec], 0, first_attempt=True, log_path=log)
+    gives_up = FaultInjector([spec], 1, first_attempt=True, log_path=log, hold_s=0.2)
+    waits = FaultInjector([spec], 2, first_attempt=True, log_path=log, hold_s=30)
+    start = time.monotonic()
+    waits.hold(4)  # before rejoin_by: nothing to wait for
+    assert time.monotonic() - start < 0.1
+    victim._record(victim._kill[3])  # what the kill writes before SIGKILL
+    gives_up.hold(5)  # no replacement: bounded
+    assert 0.2 <= time.monotonic() - start < 5
+    threading.Timer(0.3, FaultInjector([spec], 0, first_attempt=False, log_path=log).ready).start()
+    start = time.monotonic()
+    waits.hold(5)
+    assert 0.3 <= time.monotonic() - start < 5
+    start = time.monotonic()
+    gives_up.hold(6), waits.hold(6)  # once per kill
+    assert time.monotonic() - start < 0.1

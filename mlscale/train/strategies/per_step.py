@@ -223,6 +223,7 @@ class PerStep:
         self.log_path = replica_log_path(self.config.run_dir or ".", self.env.replica, self.env.rank)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_file = self.log_path.open("a", buffering=1)
+        self.ready = setup.ready
         self._write({"event": "start", "attempt": self.env.attempt, "pid": os.getpid(), "step": setup.start_step})
 
     # -- joining ------------------------------------------------------------------------------------
@@ -264,6 +265,7 @@ class PerStep:
             replica_id=f"replica_{self.env.replica}",
             checkpoint_transport=_safe_transport(timeout), init_sync=False, max_retries=10)
         self.manager.load_state_dict({"step": self.steps_done, "batches_committed": self.steps_done})
+        self.ready()
         self._wait_for_launch()  # heartbeating now: the lighthouse waits for every replica that is
 
     def _own_state(self) -> dict[str, Any]:
