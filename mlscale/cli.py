@@ -359,13 +359,21 @@ def run() -> None:
     except SystemExit as exc:  # argparse, --help, --version
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:
-        traceback.print_exc()
+        from mlscale.redact import redact_text
+
+        print(redact_text(traceback.format_exc()), end="", file=sys.stderr)  # a URL in it keeps no password
         code = 1
     if "mlscale.train.dist" in sys.modules and sys.modules["mlscale.train.dist"].owns_process_group():
         from mlscale.train.worker import leave
 
         leave(code)
     sys.exit(code)
+
+
+def _redacted(exc: BaseException) -> str:
+    from mlscale.redact import redact_text
+
+    return redact_text(str(exc))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -385,14 +393,17 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:  # named by the sub-command they were given to, as argparse would inside it
         words = [getattr(args, key, None) for key in ("command", "action", "what")]
         prog = " ".join(["mlscale", *(word for word in words if word)])
-        parser.exit(2, f"{prog}: error: unrecognized arguments: {' '.join(unknown)} (see {prog} --help)\n")
+        from mlscale.redact import redact_text
+
+        parser.exit(2, f"{prog}: error: unrecognized arguments: {redact_text(' '.join(unknown))} "
+                    f"(see {prog} --help)\n")
     try:
         return args.handler(args)
-    except UsageError as exc:
-        print(f"mlscale: error: {exc}", file=sys.stderr)
+    except UsageError as exc:  # every URL in a message is printed without its password
+        print(f"mlscale: error: {_redacted(exc)}", file=sys.stderr)
         return exc.exit_code
     except MlscaleError as exc:
-        print(f"mlscale: {exc}", file=sys.stderr)
+        print(f"mlscale: {_redacted(exc)}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("mlscale: interrupted", file=sys.stderr)

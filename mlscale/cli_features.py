@@ -16,7 +16,7 @@ _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd]?)$")
 
 
 def _duration(text: str) -> float:
-    match = _DURATION.match(text.strip())
+    match = _DURATION.fullmatch(text.strip())
     if not match:
         raise argparse.ArgumentTypeError(f"{text!r} is not a duration like 30m, 6h or 2d")
     return float(match.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[match.group(2)]

@@ -41,6 +41,9 @@ SERVE_EXAMPLES = """examples:
 The Secret the pods read the registry location from (key url; key artifacts, optional, for the
 artifact folder of a database registry):
   kubectl create secret generic mlscale-registry --from-literal=url=postgresql://USER:PASSWORD@HOST/DB
+An online store with a password (flags after -- must not carry credentials: they are written out):
+  kubectl create secret generic online-store --from-literal=url=redis://:PASSWORD@HOST:6379/0
+  mlscale k8s serve models:/churn@production --image mlscale:0.1.0-cpu --online-store-secret online-store
 """
 
 
@@ -123,6 +126,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="Secret with the registry location: key url, optional key artifacts (default mlscale-registry)")
     p.add_argument("--registry-volume", metavar="CLAIM", help="a PersistentVolumeClaim mounted at /mnt/registry, "
                    "for a registry folder or artifacts on a shared file system")
+    p.add_argument("--online-store-secret", metavar="SECRET", help="Secret whose key url is the online store of a "
+                   "model trained from features (a redis:// URL with its password): the pods pass it to mlscale serve "
+                   "--online-store from the Secret, so no password is written into the manifests")
     add_registry_option(p)
     _common(p)
 
@@ -132,7 +138,9 @@ def _checked_serve_args(uri: str, serve_args: list[str]) -> list[str]:
     so a bad one exits 2 here and not in the pods."""
     from mlscale.cli_parsers import Parser
     from mlscale.cli_serve import add_serve_arguments, options_from_args
+    from mlscale.deploy.serving import refuse_credentials
 
+    refuse_credentials(tuple(serve_args))  # first: nothing below may echo a password
     parser = Parser(prog="mlscale serve", add_help=False)  # --help here would render nothing and exit 0
     add_serve_arguments(parser)
     parsed = parser.parse_args([uri, *serve_args])
@@ -182,7 +190,8 @@ def _serve(args: argparse.Namespace) -> int:
         name=args.name, namespace=args.namespace, grpc=not args.no_grpc, drain_delay_s=args.drain_delay_s,
         exec_timeout_s=args.exec_timeout_s, cpu=args.cpu, memory=args.memory, gpus=args.gpus,
         autoscale=args.autoscale, target_cpu_percent=args.target_cpu_percent, target_pending=args.target_pending,
-        registry_secret=args.registry_secret, registry_claim=args.registry_volume, registry=args.registry)
+        registry_secret=args.registry_secret, registry_claim=args.registry_volume, registry=args.registry,
+        online_store_secret=args.online_store_secret)
     _emit(serving_manifests(spec), args.output, notes)
     return 0
 

@@ -23,7 +23,10 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        from mlscale.redact import redact_text
+
+        # argparse quotes the bad value, which may be a URL with a password
+        self.exit(2, f"{self.prog}: error: {redact_text(message)} (see {self.prog} --help)\n")
 
 
 class LazyParser(Parser):

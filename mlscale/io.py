@@ -1,4 +1,7 @@
-"""Atomic file writes: a reader sees the old file or the complete new one, never a torn one."""
+"""Atomic file writes: a reader sees the old file or the complete new one, never a torn one. And JSONL
+record files (one JSON object per line, appended): a process killed mid-append leaves a torn last line,
+which ``read_jsonl`` skips and ``append_jsonl`` cuts off before it appends (the next record would
+otherwise be glued to it, and the whole line lost)."""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ import os
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -48,3 +51,60 @@ def atomic_write(path: str | Path, write: Callable[[Path], None], *, exclusive: 
 def atomic_write_json(path: str | Path, data: Any) -> Path:
     text = json.dumps(data, indent=2, sort_keys=False) + "\n"
     return atomic_write(path, lambda tmp: tmp.write_text(text))
+
+
+def _end_of_last_line(handle: BinaryIO, size: int) -> int:
+    """The offset just past the last newline of an open file of ``size`` bytes (0: none)."""
+    position = size
+    while position > 0:
+        start = max(0, position - (1 << 16))
+        handle.seek(start)
+        block = handle.read(position - start)
+        newline = block.rfind(b"\n")
+        if newline >= 0:
+            return start + newline + 1
+        position = start
+    return 0
+
+
+def append_jsonl(path: str | Path, record: Any) -> None:
+    """Append ``record`` as one line. A torn last line (no newline: its writer died mid-write) is cut
+    off first, so this record starts a line of its own. One writer per file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = (json.dumps(record) + "\n").encode()
+    with path.open("a+b") as handle:  # appends at the end whatever was read or truncated before
+        size = handle.seek(0, os.SEEK_END)
+        if size:
+            handle.seek(size - 1)
+            if handle.read(1) != b"\n":
+                handle.truncate(_end_of_last_line(handle, size))
+        handle.write(line)
+
+
+def read_jsonl(path: str | Path) -> list[Any]:
+    """The records of a JSONL file ([] if there is none). A torn last line (no newline, or one that does
+    not parse) is skipped: its writer died while writing it. A bad line before the last one is damage
+    that no crash explains: an ``MlscaleError`` naming the file and line."""
+    from mlscale.errors import MlscaleError
+
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        return []
+    lines = data.split(b"\n")
+    lines.pop()  # after the last newline: b"" for a complete file, else a torn line
+    while lines and not lines[-1].strip():
+        lines.pop()
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            if number == len(lines):  # the last line, torn and then ended by a newline
+                break
+            raise MlscaleError(f"{path}:{number} is not a JSON record (the file is damaged); move the line "
+                               "away or delete it to go on") from None
+    return records

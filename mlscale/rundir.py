@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mlscale.io import atomic_write, atomic_write_json
+from mlscale.io import append_jsonl, atomic_write, atomic_write_json, read_jsonl
 
 if TYPE_CHECKING:
     from torch import nn
@@ -34,13 +34,12 @@ class RunDir:
         return json.loads(self.config_path.read_text())
 
     def append_metrics(self, record: dict[str, Any]) -> None:
-        with self.metrics_path.open("a") as handle:
-            handle.write(json.dumps(record) + "\n")
+        """One line of metrics.jsonl; a line torn by a killed run is cut off first (a resumed run)."""
+        append_jsonl(self.metrics_path, record)
 
     def read_metrics(self) -> list[dict[str, Any]]:
-        if not self.metrics_path.exists():
-            return []
-        return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
+        """metrics.jsonl's records; a torn last line (a run killed while writing it) is skipped."""
+        return read_jsonl(self.metrics_path)
 
     def write_final_model(self, model: nn.Module, metadata: dict[str, str] | None = None) -> None:
         from safetensors.torch import save_file

@@ -18,7 +18,7 @@ from mlscale.features import (
 )
 
 DATA = os.environ.get("MLSCALE_TEST_FEATURE_DATA", "/nonexistent")
-user = Entity("user", join_keys=["user_id"])
+user = Entity("user", join_keys=["user_id"], dtype="int64")
 activity = FeatureView("activity", [user], [Field("spend"), Field("visits")],
                        FileSource(f"{DATA}/activity.parquet"), ttl=timedelta(days=2))
 profile = FeatureView("profile", [user], [Field("age", skew_threshold=0.3)], FileSource(f"{DATA}/profile.parquet"))

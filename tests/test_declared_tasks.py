@@ -117,7 +117,8 @@ def test_a_standard_library_module_is_never_imported_for_a_task(name, capsys):
                                             (".x:y", "expected package.module:factory"),
                                             ("broken_tasks:make", "importing 'broken_tasks' failed: NameError")])
 def test_a_malformed_name_or_a_broken_module_is_one_line(name, says, tmp_path):
-    (tmp_path / "broken_tasks.py").write_text("undefined_name + 1\n")
+    (tmp_path / "broken_tasks.py").write_text(  # declares the task, then breaks while importing
+        "from mlscale import declare_task\n@declare_task\ndef make(): ...\nundefined_name + 1\n")
     env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"}
     result = subprocess.run([sys.executable, "-m", "mlscale", "train", "--task", name, "--steps", "1"],
                             capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60)
@@ -139,3 +140,67 @@ def test_an_installed_package_declares_tasks_through_its_entry_point_group(tmp_p
                             cwd=tmp_path, env=env, timeout=120)
     assert result.returncode == 0, result.stderr
     assert json.loads((tmp_path / "run/config.json").read_text())["task"] == "sine"
+
+
+@pytest.fixture
+def program_package(tmp_path, monkeypatch):
+    """A package on the path whose ``__init__`` and ``__main__`` (a program) write a marker when run,
+    and a module that declares nothing: none of them may run for a name in data."""
+    package = tmp_path / "somepkg"
+    package.mkdir()
+    marker = tmp_path / "ran"
+    run = f"open({str(marker)!r}, 'a').write(__name__ + '\\n')\n"
+    (package / "__init__.py").write_text(run)
+    (package / "__main__.py").write_text(run + "from mlscale import declare_task\n@declare_task\ndef x(): ...\n")
+    (package / "plain.py").write_text(run + "def x(): ...\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield marker
+    for name in ("somepkg", "somepkg.__main__", "somepkg.plain"):
+        sys.modules.pop(name, None)
+
+
+@pytest.mark.parametrize("task", ["somepkg.__main__:x", "somepkg.plain:x", "somepkg:x"])
+def test_a_task_name_is_checked_against_the_declared_tasks_before_anything_is_imported(task, program_package):
+    with pytest.raises(UsageError, match="not a declared mlscale task"):
+        make_task(task)
+    assert not program_package.exists(), f"{program_package.read_text()!r} ran"
+    assert "somepkg" not in sys.modules
+
+
+def test_a_registry_row_naming_a_program_module_imports_nothing(program_package, poisoned_registry):
+    """Through the registry's path (a version's config), not only make_task: the row is refused and no
+    module of the package ran."""
+    from mlscale.registry.models import load_torch_model
+
+    registry = Registry(poisoned_registry[0])
+    real = registry.resolve("models:/digits/1")
+    weights = Path(real.source_run) / "final/model.safetensors"
+    evil = registry.create_version("evil-main", {"model.safetensors": weights}, metrics={}, signature=real.signature,
+                                   config={**real.config, "task": "somepkg.__main__:x"})
+    with pytest.raises(UsageError, match="not a declared mlscale task"):
+        load_torch_model(registry, evil)
+    assert not program_package.exists()
+
+
+def test_a_feature_service_is_checked_against_declared_repositories_before_anything_is_imported(program_package):
+    from mlscale.features import load_service
+
+    for spec in ("somepkg.__main__:svc", "somepkg.plain:svc"):
+        with pytest.raises(UsageError, match="not a declared feature repository"):
+            load_service(spec)
+    assert not program_package.exists()
+
+
+def test_a_declared_factory_in_a_module_not_yet_imported_is_found_from_its_source(tmp_path, monkeypatch):
+    (tmp_path / "fresh_tasks.py").write_text(
+        "import mlscale as m\nfrom mlscale import declare_task as task\n\n"
+        "@task\ndef make():\n    from mlscale.tasks import make_task\n    return make_task('digits')\n\n"
+        "def later():\n    return make()\n\n\nm.declare_task(later)\n\ndef other(): ...\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        assert make_task("fresh_tasks:make").name == "digits-mlp"
+        assert make_task("fresh_tasks:later").name == "digits-mlp"
+        with pytest.raises(UsageError, match="not a declared mlscale task"):
+            make_task("fresh_tasks:other")
+    finally:
+        sys.modules.pop("fresh_tasks", None)

@@ -46,7 +46,7 @@ def check_seconds(flag: str, value: float, positive: bool = False, most: float =
 
 def check_name(flag: str, name: str, longest: int = 63) -> str:
     """A Kubernetes object name that is also a DNS label (Services, Jobs and namespaces need one)."""
-    if len(name) > longest or not DNS_LABEL.match(name):
+    if len(name) > longest or not DNS_LABEL.fullmatch(name):
         raise UsageError(f"bad value {flag}={name!r}: use at most {longest} lowercase letters, digits and '-', "
                          "starting with a letter and ending with a letter or digit")
     return name
@@ -54,7 +54,7 @@ def check_name(flag: str, name: str, longest: int = 63) -> str:
 
 def check_reference(flag: str, name: str | None) -> str | None:
     """The name of an object the manifests refer to (a PersistentVolumeClaim, a Secret): a DNS subdomain."""
-    if name is not None and (len(name) > 253 or not DNS_SUBDOMAIN.match(name)):
+    if name is not None and (len(name) > 253 or not DNS_SUBDOMAIN.fullmatch(name)):
         raise UsageError(f"bad value {flag}={name!r}: a Kubernetes object name (lowercase letters, digits, '-' "
                          "and '.', starting and ending with a letter or digit)")
     return name
@@ -63,7 +63,7 @@ def check_reference(flag: str, name: str | None) -> str | None:
 def check_quantity(flag: str, value: str | None, kind: str) -> str | None:
     """A CPU (``4``, ``0.5``, ``500m``) or memory (``8Gi``, ``512Mi``) quantity as Kubernetes writes it."""
     pattern, example = (_CPU, "4, 0.5 or 500m") if kind == "cpu" else (_MEMORY, "8Gi or 512Mi")
-    if value is not None and not pattern.match(value):
+    if value is not None and not pattern.fullmatch(value):
         raise UsageError(f"bad value {flag}={value!r}: a {kind} quantity such as {example}")
     return value
 
@@ -78,19 +78,19 @@ def check_image(image: str) -> str:
     """An image pinned by a tag or a digest: an untagged image means whatever ``latest`` is when a node
     pulls it, so two pods of one job could run different code."""
     reference, at, digest = image.partition("@")
-    if at and not _DIGEST.match(digest):
+    if at and not _DIGEST.fullmatch(digest):
         raise UsageError(f"bad value image={image!r}: a digest is @sha256: and 64 hexadecimal digits")
     head, _, last = reference.rpartition("/")
     repository, _, tag = last.partition(":")
     if not at and not tag:
         raise UsageError(f"bad value image={image!r}: give a tag or a digest (REPOSITORY:TAG or "
                          "REPOSITORY@sha256:...), so that every pod runs the same code")
-    if tag and not _TAG.match(tag):
+    if tag and not _TAG.fullmatch(tag):
         raise UsageError(f"bad value image={image!r}: the tag {tag!r} is not a valid image tag")
     path = [*head.split("/"), repository] if head else [repository]
     if len(path) > 1 and ("." in path[0] or ":" in path[0] or path[0] == "localhost"):
         path = path[1:]  # a registry host (and port): not held to the repository's lowercase rule
-    if not all(_PATH_COMPONENT.match(part) for part in path):
+    if not all(_PATH_COMPONENT.fullmatch(part) for part in path):
         raise UsageError(f"bad value image={image!r}: a repository name is lowercase letters, digits and "
                          "separators (., _, -)")
     return image

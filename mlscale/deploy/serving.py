@@ -16,7 +16,10 @@
   the pending requests that ``/metrics`` exports (through a custom metrics adapter, e.g. the
   Prometheus Adapter).
 - The registry location comes from a Secret (``url``, and ``artifacts`` where the artifacts are not
-  beside a file registry): a database password never appears in a manifest.
+  beside a file registry): a database password never appears in a manifest. So does an online store
+  with credentials (``--online-store-secret``: key ``url``, passed to ``mlscale serve --online-store``
+  as ``$(MLSCALE_ONLINE_STORE)``, which the kubelet expands from the Secret-backed variable); a flag
+  after ``--`` whose value is a URL with credentials is refused, never written into the Deployment.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from mlscale.deploy.manifests import (
     secret_env,
 )
 from mlscale.errors import UsageError
+from mlscale.redact import MASK, redact_text, redact_url, secrets_of
 
 HTTP_PORT, GRPC_PORT = 8000, 8001
 REGISTRY_DIR = "/mnt/registry"
@@ -50,6 +54,7 @@ MOST_DRAIN_S = 3600
 # flags of `mlscale serve` the manifests set themselves (the probes, ports and grace period depend on them)
 MANAGED_FLAGS = ("--host", "--port", "--grpc-port", "--no-grpc", "--drain-delay-s", "--exec-timeout-s",
                  "--registry")
+ONLINE_STORE_ENV = "MLSCALE_ONLINE_STORE"
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,7 @@ class ServingDeployment:
     target_pending: int = 8
     registry_secret: str = "mlscale-registry"
     registry_claim: str | None = None
+    online_store_secret: str | None = None  # a Secret whose key url is the online store (with its password)
     serve_args: tuple[str, ...] = ()  # more `mlscale serve` flags (batching, cache, SLO, online store...)
 
     def __post_init__(self) -> None:
@@ -89,12 +95,16 @@ class ServingDeployment:
             check_name("namespace", self.namespace)
         check_reference("registry-secret", self.registry_secret)
         check_reference("registry-volume", self.registry_claim)
+        check_reference("online-store-secret", self.online_store_secret)
         check_quantity("cpu", self.cpu, "cpu")
         check_quantity("memory", self.memory, "memory")
         for arg in self.serve_args:
             if arg.split("=", 1)[0] in MANAGED_FLAGS:
-                raise UsageError(f"bad value {arg!r} after --: the manifests set {arg.split('=', 1)[0]} themselves "
-                                 "(use the mlscale k8s serve flag of that name)")
+                raise UsageError(f"bad value {redact_text(arg)!r} after --: the manifests set {arg.split('=', 1)[0]} "
+                                 "themselves (use the mlscale k8s serve flag of that name)")
+        refuse_credentials(self.serve_args)
+        if self.online_store_secret and any(a.split("=", 1)[0] == "--online-store" for a in self.serve_args):
+            raise UsageError("bad value --online-store after --: --online-store-secret gives the online store already")
         check_count("target-cpu-percent", self.target_cpu_percent)
         check_count("target-pending", self.target_pending)
 
@@ -109,6 +119,29 @@ class ServingDeployment:
         return math.ceil(self.drain_delay_s + FINISH_IN_FLIGHT_S + MARGIN_S)
 
 
+def _has_credentials(value: str) -> bool:
+    """A URL whose password (or a credential query parameter) would be written out as it is."""
+    return "://" in value and (bool(secrets_of(value)) or redact_url(value) != value)
+
+
+def refuse_credentials(serve_args: tuple[str, ...]) -> None:
+    """Flags after -- are written into the Deployment as they are: a URL with credentials among them would
+    put its password into the manifest (and into `kubectl get -o yaml` for anyone who may read it)."""
+    for index, arg in enumerate(serve_args):
+        if arg.startswith("--") and "=" in arg:  # --flag=value
+            flag, _, value = arg.partition("=")
+        else:  # a value after its flag (or a flag: no URL)
+            flag, value = (serve_args[index - 1] if index else ""), arg
+        if not _has_credentials(value):
+            continue
+        where = f"{flag} " if flag.startswith("--") else ""
+        hint = ("give it with --online-store-secret SECRET instead, from a Secret created with `kubectl create "
+                "secret generic SECRET --from-literal=url=URL` (the pods read it from the Secret)"
+                if flag == "--online-store" else "put no credentials in flags after --; a Secret holds them")
+        raise UsageError(f"bad value {where}{redact_url(value)!r} after --: a URL with credentials would be written "
+                         f"into the Deployment ({MASK} stands for them here); {hint}")
+
+
 def serving_manifests(spec: ServingDeployment) -> list[Manifest]:
     """Deployment, Service, PodDisruptionBudget and (unless the replica count is fixed) the autoscaler."""
     out = [_deployment(spec), _service(spec), _disruption_budget(spec)]
@@ -121,6 +154,8 @@ def serve_command(spec: ServingDeployment) -> list[str]:
     command = ["mlscale", "serve", spec.model_uri, "--host", "0.0.0.0", "--port", str(HTTP_PORT),
                "--drain-delay-s", f"{spec.drain_delay_s:g}", "--exec-timeout-s", f"{spec.exec_timeout_s:g}"]
     command += ["--grpc-port", str(GRPC_PORT)] if spec.grpc else ["--no-grpc"]
+    if spec.online_store_secret:  # expanded by the kubelet from the Secret-backed variable, not written here
+        command += ["--online-store", f"$({ONLINE_STORE_ENV})"]
     return command + list(spec.serve_args)
 
 
@@ -136,6 +171,8 @@ def _container(spec: ServingDeployment) -> dict[str, Any]:
     env = [secret_env("MLSCALE_REGISTRY", spec.registry_secret, "url"),
            secret_env("MLSCALE_ARTIFACTS", spec.registry_secret, "artifacts", optional=True),
            {"name": "PYTHONUNBUFFERED", "value": "1"}]
+    if spec.online_store_secret:
+        env.append(secret_env(ONLINE_STORE_ENV, spec.online_store_secret, "url"))
     container: dict[str, Any] = {
         "name": "server", "image": spec.image, "command": serve_command(spec), "env": env, "ports": ports,
         "startupProbe": _probe("/v2/health/live", period_s=2, failures=60, timeout_s=2),  # 2 minutes to start

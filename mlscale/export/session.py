@@ -7,10 +7,13 @@ from pathlib import Path
 from typing import Any
 
 
-def onnx_session(path: str | Path, threads: int = 1) -> Any:
+def onnx_session(model: str | Path | bytes, threads: int = 1) -> Any:
+    """A session of the model at a path, or of the model's bytes: pass a registered artifact's verified
+    bytes (``Registry.artifact_bytes``), so that what runs is what was hashed."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
-    return ort.InferenceSession(str(path), sess_options=options, providers=["CPUExecutionProvider"])
+    source = bytes(model) if isinstance(model, (bytes, bytearray, memoryview)) else str(model)
+    return ort.InferenceSession(source, sess_options=options, providers=["CPUExecutionProvider"])

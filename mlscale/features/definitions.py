@@ -21,15 +21,56 @@ DTYPES = ("float32", "float64", "int32", "int64", "bool", "string")
 Columns = dict[str, np.ndarray]
 
 
+KEY_DTYPES = ("int64", "string")
+INT64 = (-(1 << 63), (1 << 63) - 1)
+
+
 @dataclass(frozen=True)
 class Entity:
-    """What features describe; rows are found by its ``join_keys`` (default: its name)."""
+    """What features describe; rows are found by its ``join_keys`` (default: its name), whose values are
+    of ``dtype``: ``int64`` or ``string``. Undeclared (None), a key is an integer or a string; declared,
+    ``"3"`` for an int64 key is refused as well (a lookup of it would find no entity, silently)."""
 
     name: str
     join_keys: Sequence[str] = ()
+    dtype: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "join_keys", tuple(self.join_keys) or (self.name,))
+        if self.dtype is not None and self.dtype not in KEY_DTYPES:
+            raise UsageError(f"bad value dtype={self.dtype!r} of entity {self.name!r}: one of {', '.join(KEY_DTYPES)}")
+
+    def key_error(self, key: str, value: object) -> str | None:
+        """Why ``value`` cannot be a value of join key ``key``, or None when it can: the type is checked,
+        never converted (``3.0``, ``true`` and ``null`` are not the key 3)."""
+        is_int = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+        if is_int and not INT64[0] <= int(value) <= INT64[1]:  # type: ignore[call-overload]
+            return f"{key}={value} is out of the int64 range of entity {self.name!r}'s keys"
+        fits = {"int64": is_int, "string": isinstance(value, str), None: is_int or isinstance(value, str)}
+        if fits[self.dtype]:
+            return None
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+        wanted = {"int64": "an integer", "string": "a string", None: "an integer or a string"}[self.dtype]
+        return f"{key}={shown} is {_type_name(value)}, but entity {self.name!r} has {wanted} as its {key!r}"
+
+
+def _type_name(value: object) -> str:
+    """A value's type as a JSON client would name it."""
+    if value is None:
+        return "null"
+    if isinstance(value, (bool, np.bool_)):
+        return "a boolean"
+    if isinstance(value, (float, np.floating)):
+        return "a number with a fraction"
+    if isinstance(value, (int, np.integer)):
+        return "an integer"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    if isinstance(value, dict):
+        return "an object"
+    return f"a {type(value).__name__}"
 
 
 @dataclass(frozen=True)
@@ -92,6 +133,10 @@ class FeatureView:
     @property
     def join_keys(self) -> tuple[str, ...]:
         return tuple(key for entity in self.entities for key in entity.join_keys)
+
+    def key_entities(self) -> tuple[tuple[str, Entity], ...]:
+        """Each join key, in ``join_keys``' order, and the entity whose ``dtype`` its values must have."""
+        return tuple((key, entity) for entity in self.entities for key in entity.join_keys)
 
     @property
     def features(self) -> tuple[str, ...]:

@@ -28,6 +28,7 @@ from mlscale.errors import UsageError, first_line
 from mlscale.features.definitions import FeatureRepository, FeatureService, FeatureView
 
 ROW = "__mlscale_row"
+RESERVED_PREFIX = "__"  # the join's own column names: ROW, __t (the entity rows' time), __rank, __latest
 
 
 def _duckdb() -> Any:
@@ -100,6 +101,10 @@ def get_historical_features(repository: FeatureRepository, entity_rows: Any,
     references = features.references() if isinstance(features, FeatureService) else list(features)
     resolved = repository.resolve(references)
     entities = _entity_table(entity_rows)
+    reserved = [name for name in entities.column_names if name.startswith(RESERVED_PREFIX)]
+    if reserved:  # the join's own columns (__t, __mlscale_row, ...): one of the rows' would take their place
+        raise UsageError(f"the entity rows have a column named {reserved[0]!r}: names starting with "
+                         f"{RESERVED_PREFIX!r} are mlscale's own in the point-in-time join; rename it")
     if timestamp_field not in entities.column_names:
         raise UsageError(f"the entity rows have no {timestamp_field!r} column (columns: "
                          f"{', '.join(entities.column_names)})")

@@ -133,10 +133,40 @@ def materialize(repository: FeatureRepository, store: OnlineStore, end_date: dat
                 f"ORDER BY __t DESC) AS __latest FROM ({source_sql(view, view.features)}) WHERE __t <= ?) "
                 "WHERE __latest = 1", [end_date]).fetchall()
         width = len(view.join_keys)
+        _check_source_keys(view, rows, width)
         store.write(view.name, [(tuple(row[:width]), (row[width], dict(zip(view.features, row[width + 1:]))))
                                 for row in rows])
         written[view.name] = len(rows)
     return written
+
+
+def _check_source_keys(view: FeatureView, rows: Sequence[tuple[Any, ...]], width: int) -> None:
+    """The keys written must be keys a request can name: of their entity's type."""
+    entities = view.key_entities()
+    for row in rows:
+        for (name, entity), value in zip(entities, row[:width]):
+            problem = entity.key_error(name, value)
+            if problem is not None:
+                raise UsageError(f"feature view {view.name!r}: a key in its source {view.source.path!r}: {problem}")
+
+
+def _entity_keys(view: FeatureView, entity_rows: Sequence[dict[str, Any]]) -> list[Key]:
+    """Each row's key in ``view``, its values checked against their entity's type (``UsageError``, which
+    serving answers 400): a key of the wrong type would find nothing and serve the unknown-entity vector."""
+    entities = view.key_entities()
+    keys = []
+    for index, row in enumerate(entity_rows):
+        key = []
+        for name, entity in entities:
+            if name not in row:
+                raise UsageError(f"an entity row lacks {name!r}, a join key of view {view.name!r}")
+            value = row[name]
+            problem = entity.key_error(name, value)
+            if problem is not None:
+                raise UsageError(f"entity row {index}: {problem}")
+            key.append(int(value) if isinstance(value, np.integer) else value)
+        keys.append(tuple(key))
+    return keys
 
 
 def get_online_features(repository: FeatureRepository, store: OnlineStore, features: Sequence[str] | FeatureService,
@@ -151,10 +181,7 @@ def get_online_features(repository: FeatureRepository, store: OnlineStore, featu
 
     def values_of(view: FeatureView) -> list[dict[str, Any] | None]:
         if view.name not in cache:
-            try:
-                keys = [tuple(row[k] for k in view.join_keys) for row in entity_rows]
-            except KeyError as exc:
-                raise UsageError(f"an entity row lacks {exc.args[0]!r}, a join key of view {view.name!r}") from None
+            keys = _entity_keys(view, entity_rows)
             ttl_us = None if view.ttl is None else view.ttl // timedelta(microseconds=1)
             cache[view.name] = [None if record is None or (ttl_us is not None and now - record[0] > ttl_us)
                                 else record[1] for record in store.read(view.name, keys)]

@@ -2,7 +2,8 @@
 
 Every artifact is addressed by a key (``NAME/VERSION/FILE``), written once and atomically, recorded
 with its SHA-256 at registration, and verified on every fetch, so a tampered or truncated file is
-refused.
+refused. ``fetch_bytes`` returns the very bytes it hashed: what is loaded is what was verified, even if
+the file is replaced a moment later (a path, from ``fetch``, would be opened a second time).
 """
 
 from __future__ import annotations
@@ -47,11 +48,19 @@ class ArtifactStore(Protocol):
 
     def fetch(self, key: str, sha256: str) -> Path: ...
 
+    def fetch_bytes(self, key: str, sha256: str) -> bytes: ...
+
     def digest(self, key: str) -> str: ...
 
     def move_prefix(self, source: str, target: str) -> None: ...
 
     def delete_prefix(self, prefix: str) -> None: ...
+
+
+def _verified(key: str, registered: str, actual: str) -> None:
+    if actual != registered:
+        raise ArtifactIntegrityError(f"artifact {key} is damaged or was changed: SHA-256 {actual[:12]}... "
+                                     f"differs from the registered {registered[:12]}...; refusing to load it")
 
 
 def _owner(folder: Path) -> str | None:
@@ -82,14 +91,25 @@ class LocalArtifactStore:
         return StoredArtifact(key, sha256_file(target), target.stat().st_size)
 
     def fetch(self, key: str, sha256: str) -> Path:
+        """A local path whose file had the registered SHA-256 when it was checked; opening it again may
+        read other bytes: to load an artifact, use ``fetch_bytes``."""
         path = self._path(key)
         if not path.is_file():
             raise ArtifactIntegrityError(f"artifact {key} is missing from {self.root}")
-        actual = sha256_file(path)
-        if actual != sha256:
-            raise ArtifactIntegrityError(f"artifact {key} is damaged or was changed: SHA-256 {actual[:12]}... "
-                                         f"differs from the registered {sha256[:12]}...; refusing to load it")
+        _verified(key, sha256, sha256_file(path))
         return path
+
+    def fetch_bytes(self, key: str, sha256: str) -> bytes:
+        """The artifact's bytes, read once and checked against the registered SHA-256: the bytes
+        returned are the bytes hashed."""
+        path = self._path(key)
+        try:
+            with path.open("rb") as handle:
+                data = handle.read()
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise ArtifactIntegrityError(f"artifact {key} is missing from {self.root}") from None
+        _verified(key, sha256, hashlib.sha256(data).hexdigest())
+        return data
 
     def digest(self, key: str) -> str:
         """The SHA-256 of what is stored under ``key`` now."""

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from mlscale.errors import MlscaleError, UsageError
+from mlscale.errors import MlscaleError, UsageError, first_line
+from mlscale.redact import redact_text, redact_url
 from mlscale.registry.store import ModelVersion, Registry
 
 
@@ -89,16 +91,24 @@ def mirror_version(registry: Registry, version: ModelVersion, tracking_uri: str,
         params = _flatten("", version.config, {})
         client.log_batch(run_id, params=[Param(k, v) for k, v in params.items()],
                          metrics=[Metric(k, v, now, 0) for k, v in _numeric_metrics(version.metrics).items()])
-        for artifact in version.artifacts:
-            client.log_artifact(run_id, str(registry.artifact_path(version, artifact)), artifact_path="model")
+        with tempfile.TemporaryDirectory(prefix="mlscale-mirror-") as tmp:
+            for artifact in version.artifacts:  # the verified bytes, not the file that may change after the check
+                (Path(tmp) / artifact).write_bytes(registry.artifact_bytes(version, artifact))
+                client.log_artifact(run_id, str(Path(tmp) / artifact), artifact_path="model")
         client.set_terminated(run_id)
         if not client.search_registered_models(filter_string=f"name = '{version.name}'"):
             client.create_registered_model(version.name, description=version.description or None)
         mirrored = client.create_model_version(version.name, source=f"runs:/{run_id}/model", run_id=run_id,
                                                tags=tags, description=version.description or None)
         _set_aliases(client, version, mirrored.version)
-    except MlflowException as exc:
-        raise MlscaleError(f"MLflow at {tracking_uri} refused the mirror: {exc.message}") from None
+    except MlflowException as exc:  # its message repeats the URI, credentials and all
+        raise MlscaleError(redact_text(f"MLflow at {redact_url(tracking_uri)} refused the mirror: "
+                                       f"{first_line(exc.message)}", tracking_uri)) from None
+    except MlscaleError:
+        raise
+    except Exception as exc:  # a client library's own error (a connection, a file): one line, no secret
+        raise MlscaleError(redact_text(f"MLflow at {redact_url(tracking_uri)} failed: {type(exc).__name__}: "
+                                       f"{first_line(exc)}", tracking_uri)) from None
     return {"name": version.name, "version": int(mirrored.version), "run_id": run_id, "aliases": version.aliases,
             "created": True}
 

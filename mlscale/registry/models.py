@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load as load_safetensors
 from torch import nn
 
 from mlscale.config import TrainConfig
@@ -87,8 +87,9 @@ def build_model(config: dict[str, Any], task: Task | None = None) -> nn.Module:
 
 
 def load_torch_model(registry: Registry, version: ModelVersion) -> nn.Module:
-    """The version's model in eval mode, weights verified against their SHA-256 before loading."""
-    weights = load_file(str(registry.artifact_path(version, WEIGHTS)))
+    """The version's model in eval mode, from the weights' bytes verified against their SHA-256 (those
+    very bytes: the file is not opened again after the check)."""
+    weights = load_safetensors(registry.artifact_bytes(version, WEIGHTS))
     model = build_model(version.config)
     model.load_state_dict(weights)
     return model

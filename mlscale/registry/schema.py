@@ -6,6 +6,7 @@ from sqlalchemy import Column, ForeignKeyConstraint, Integer, MetaData, String, 
 
 SCHEMA_VERSION = 1
 metadata = MetaData()
+FOLDED_NAME_INDEX = "registered_models_name_folded"  # unique lower(name): created by Registry._migrate
 
 schema_info = Table("schema_info", metadata, Column("version", Integer, nullable=False))
 

@@ -24,11 +24,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Connection, create_engine, event, func, insert, make_url, select, update
+from sqlalchemy import Connection, create_engine, event, func, insert, make_url, select, text, update
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import ArgumentError, IntegrityError, OperationalError, SQLAlchemyError
+from sqlalchemy.exc import ArgumentError, IntegrityError, OperationalError, ProgrammingError, SQLAlchemyError
 
 from mlscale.errors import MlscaleError, UsageError, first_line
+from mlscale.redact import redact_text, redact_url
 from mlscale.registry import schema
 from mlscale.registry.artifacts import (
     OWNER_MARK,
@@ -157,8 +158,28 @@ def resolve_location(location: str | None, create: bool = True) -> tuple[str, Pa
         _must_exist(db_path, location, create)
         db_path.parent.mkdir(parents=True, exist_ok=True)
         return location, db_path.parent / "artifacts"
+    check_database_url(location)
     artifacts = os.environ.get("MLSCALE_ARTIFACTS", f"{DEFAULT_LOCATION}/artifacts")
     return location, Path(artifacts)
+
+
+def check_database_url(url: str) -> None:
+    """A database URL SQLAlchemy reads as it was meant: a password with an unencoded '@' (or ':' after
+    one) would be split into a host name or port, and a driver's error would then show part of it.
+    Refused with one line (exit 2) that shows no part of the credentials."""
+    shown = redact_url(url)
+    how = ("percent-encode the user and password (python3 -c 'import urllib.parse, getpass; "
+           "print(urllib.parse.quote(getpass.getpass(), safe=\"\"))')")
+    credentials = url.partition("://")[2].rpartition("@")[0]
+    if "@" in credentials:
+        raise UsageError(f"bad value registry={shown!r}: an '@' in the credentials; {how}")
+    try:
+        parsed = make_url(url)
+    except (ArgumentError, ValueError):
+        raise UsageError(f"bad value registry={shown!r}: not a folder, sqlite:///FILE or database URL; if it has a "
+                         f"password, {how}") from None
+    if any("@" in str(part or "") for part in (parsed.host, parsed.port, parsed.database)):
+        raise UsageError(f"bad value registry={shown!r}: an '@' after the credentials; {how}")
 
 
 def _identity(url: str) -> str:
@@ -184,7 +205,8 @@ class Registry:
         try:
             url, artifact_root = resolve_location(location, create)
         except OSError as exc:
-            raise RegistryError(f"cannot open the registry at {location}: {exc.strerror}: {exc.filename}") from None
+            raise RegistryError(redact_text(f"cannot open the registry at {location}: {exc.strerror}: {exc.filename}",
+                                            location)) from None
         self.url = url
         self.identity = _identity(url)
         self.artifacts: ArtifactStore = artifacts or LocalArtifactStore(artifact_root)
@@ -192,16 +214,23 @@ class Registry:
             self.engine = _sqlite_engine(url) if url.startswith("sqlite") else create_engine(url)
             self._migrate()
         except OperationalError as exc:
-            raise RegistryError(f"cannot reach the registry database {self._safe_url()}: "
-                                f"{first_line(exc.orig)}") from None
+            raise RegistryError(self._redact(f"cannot reach the registry database {self._safe_url()}: "
+                                             f"{first_line(exc.orig)}")) from None
         except (SQLAlchemyError, ImportError, ValueError) as exc:
-            raise RegistryError(f"cannot open the registry at {self._safe_url()}: {exc}") from None
+            raise RegistryError(self._redact(f"cannot open the registry at {self._safe_url()}: "
+                                             f"{first_line(exc)}")) from None
 
     def _safe_url(self) -> str:
-        return self.url.split("@")[-1] if "@" in self.url else self.url
+        """The registry's URL without its password: what messages name."""
+        return redact_url(self.url)
+
+    def _redact(self, message: str) -> str:
+        """A message with no part of the registry's password, whatever a driver echoed of it."""
+        return redact_text(message, self.url)
 
     def _migrate(self) -> None:
         schema.metadata.create_all(self.engine)
+        self._fold_names()
         with self._tx() as conn:
             found = conn.execute(select(schema.schema_info.c.version)).scalar()
             if found is None:
@@ -210,13 +239,32 @@ class Registry:
                 raise RegistryError(f"the registry's schema v{found} is newer than this mlscale understands "
                                     f"(v{schema.SCHEMA_VERSION}); upgrade mlscale")
 
+    def _fold_names(self) -> None:
+        """A unique index on the lower-cased model name: two registrations of names that differ only by
+        case, racing on a database that locks per row, cannot both insert. Not made where a registry from
+        before this check holds such names already."""
+        exists = {"sqlite": "SELECT 1 FROM sqlite_master WHERE type = 'index' AND name = :name",
+                  "postgresql": "SELECT 1 FROM pg_indexes WHERE indexname = :name AND schemaname = current_schema()"}
+        dialect = self.engine.dialect.name
+        try:
+            with self.engine.begin() as conn:  # looked up first: creating takes a lock even when it exists
+                if dialect in exists and conn.execute(text(exists[dialect]),
+                                                      {"name": schema.FOLDED_NAME_INDEX}).first() is not None:
+                    return
+                conn.exec_driver_sql(f"CREATE UNIQUE INDEX IF NOT EXISTS {schema.FOLDED_NAME_INDEX} "
+                                     f"ON {schema.models.name} (lower(name))")
+        except (IntegrityError, ProgrammingError):
+            pass  # names differing by case exist (an older registry), a concurrent creator won, or a database
+            # without such indexes: the check in the transaction still refuses new ones
+
     @contextmanager
     def _tx(self) -> Iterator[Connection]:
         try:
             with self.engine.begin() as conn:
                 yield conn
         except OperationalError as exc:
-            raise RegistryError(f"registry database error at {self._safe_url()}: {first_line(exc.orig)}") from None
+            raise RegistryError(self._redact(f"registry database error at {self._safe_url()}: "
+                                             f"{first_line(exc.orig)}")) from None
 
     # -- registering ---------------------------------------------------------------------------
     def create_version(self, name: str, files: dict[str, Path], *, config: dict[str, Any],
@@ -225,6 +273,8 @@ class Registry:
                        description: str = "", tags: dict[str, str] | None = None) -> ModelVersion:
         """Register ``files`` (artifact name -> local path) as the next version of ``name``."""
         check_name(name)
+        with self._tx() as conn:  # early, before any file is copied; checked again in the transaction below
+            self._check_case(conn, name)
         staging = f"{name}/.staging-{uuid.uuid4().hex}"
         self._mark_owner(staging)
         stored = {artifact: self.artifacts.put(f"{staging}/{artifact}", path) for artifact, path in files.items()}
@@ -234,6 +284,7 @@ class Registry:
                 try:
                     with self._tx() as conn:
                         version = self._next_version(conn, name)
+                        self._check_folder_free(conn, name, version)
                         self.artifacts.move_prefix(staging, f"{name}/{version}")
                         final_prefix = f"{name}/{version}"  # ours only once moved: never delete another's
                         self._insert_version(conn, name, version, stored, final_prefix, config=config,
@@ -249,9 +300,45 @@ class Registry:
             raise RegistryError(f"could not register {name}: too many concurrent registrations")
         except BaseException:
             self.artifacts.delete_prefix(staging)
-            if final_prefix is not None and not self._version_exists(name, int(final_prefix.rsplit("/", 1)[1])):
+            if final_prefix is not None and not self._folder_committed(name, int(final_prefix.rsplit("/", 1)[1])):
                 self.artifacts.delete_prefix(final_prefix)
             raise
+
+    def _check_case(self, conn: Connection, name: str) -> None:
+        """A new name that differs from an existing model's only by case is refused: on a case-insensitive
+        file system (macOS, Windows) both would have one artifact folder, and registering one would
+        replace the other's files. (A registry from before this check may hold both: it goes on working.)"""
+        table = schema.models
+        if conn.execute(select(table.c.name).where(table.c.name == name)).scalar() is not None:
+            return
+        other = conn.execute(select(table.c.name).where(func.lower(table.c.name) == name.lower())).scalar()
+        if other is not None:
+            raise UsageError(f"bad value name={name!r}: model {other!r} exists, and names that differ only by case "
+                             f"would share its artifact folder on a case-insensitive file system; use {other!r}")
+
+    def _committed_case_variant(self, conn: Connection, name: str, version: int) -> str | None:
+        """The URI of a committed version whose artifact folder is ``name/version`` where case is not told
+        apart, or None."""
+        table = schema.versions
+        found = conn.execute(select(table.c.name).where(
+            (func.lower(table.c.name) == name.lower()) & (table.c.version == version))).scalar()
+        return None if found is None else f"models:/{found}/{version}"
+
+    def _check_folder_free(self, conn: Connection, name: str, version: int) -> None:
+        """Moving a staged folder into ``name/version`` replaces a leftover of this registry there; it must
+        never replace the folder of a committed version (another name that differs only by case, on a
+        case-insensitive file system)."""
+        committed = self._committed_case_variant(conn, name, version)
+        if committed is not None:
+            raise RegistryError(f"cannot register {name} version {version}: its artifact folder is that of "
+                                f"{committed} where case is not told apart; nothing was replaced (register under "
+                                "the existing model's name)")
+
+    def _folder_committed(self, name: str, version: int) -> bool:
+        """Whether ``name/version`` is the folder of a committed version (of this name, or one differing by
+        case): then it is never removed."""
+        with self._tx() as conn:
+            return self._committed_case_variant(conn, name, version) is not None
 
     def _mark_owner(self, prefix: str) -> None:
         """Mark a version's folder with this registry's identity, so that a leftover of this registry (a
@@ -267,6 +354,7 @@ class Registry:
         exists = conn.execute(select(schema.models.c.name).where(schema.models.c.name == name)
                               .with_for_update()).scalar()
         if exists is None:
+            self._check_case(conn, name)  # in the transaction: two registrations racing are told apart
             conn.execute(insert(schema.models).values(name=name, description="", created_at=now, updated_at=now))
             self._audit(conn, name, None, "create_model", None, name)
         latest = conn.execute(select(func.max(schema.versions.c.version))
@@ -398,12 +486,6 @@ class Registry:
             raise NotFound(f"no registered model named {name!r} in {self._safe_url()}")
         raise NotFound(f"model {name!r} has no {what}")
 
-    def _version_exists(self, name: str, version: int) -> bool:
-        table = schema.versions
-        with self._tx() as conn:
-            return conn.execute(select(table.c.version).where(
-                (table.c.name == name) & (table.c.version == version))).scalar() is not None
-
     def get_version(self, name: str, version: int) -> ModelVersion:
         with self._tx() as conn:
             table = schema.versions
@@ -483,9 +565,19 @@ class Registry:
                 self._raise_missing(conn, name, "history")
             return [dict(row) for row in rows]
 
-    def artifact_path(self, version: ModelVersion, artifact: str) -> Path:
-        """A local path to the artifact, verified against its registered SHA-256."""
+    def _record(self, version: ModelVersion, artifact: str) -> Artifact:
         if artifact not in version.artifacts:
             raise NotFound(f"{version.uri} has no artifact {artifact!r} (has: {', '.join(version.artifacts)})")
-        record = version.artifacts[artifact]
+        return version.artifacts[artifact]
+
+    def artifact_bytes(self, version: ModelVersion, artifact: str) -> bytes:
+        """The artifact's bytes, verified against its registered SHA-256: what to load (the bytes hashed
+        are the bytes loaded; a file replaced after the check is never read)."""
+        record = self._record(version, artifact)
+        return self.artifacts.fetch_bytes(record.key, record.sha256)
+
+    def artifact_path(self, version: ModelVersion, artifact: str) -> Path:
+        """A local path to the artifact, verified against its registered SHA-256 when this returns. Opening
+        it again may read other bytes (a file replaced since): load with ``artifact_bytes`` instead."""
+        record = self._record(version, artifact)
         return self.artifacts.fetch(record.key, record.sha256)

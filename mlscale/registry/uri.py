@@ -22,14 +22,14 @@ def canonical_stage(text: str) -> str:
 
 
 def check_name(name: str) -> str:
-    if not NAME_RE.match(name):
+    if not NAME_RE.fullmatch(name):
         raise UsageError(f"bad value name={name!r}: use letters, digits, '_', '-' and '.', starting with a letter "
                          "or digit (at most 128)")
     return name
 
 
 def check_alias(alias: str) -> str:
-    if not ALIAS_RE.match(alias) or alias.isdigit():
+    if not ALIAS_RE.fullmatch(alias) or alias.isdigit():
         raise UsageError(f"bad value alias={alias!r}: use letters, digits, '_' and '-', starting with a letter")
     return alias
 
@@ -52,7 +52,7 @@ class ModelURI:
 
 
 def parse_uri(text: str) -> ModelURI:
-    match = _URI.match(text)
+    match = _URI.fullmatch(text)
     if not match:
         raise UsageError(f"bad model URI {text!r}: expected models:/NAME/VERSION, models:/NAME@ALIAS or "
                          "models:/NAME/STAGE")

@@ -243,3 +243,41 @@ def test_main_returns_in_a_process_that_has_its_own_process_group():
         assert mlscale(*CASES["serve"]).returncode == 0
     finally:
         dist.destroy_process_group()
+
+
+SECRET = "S3cr@t-pw"  # with an unencoded '@': no part of it may be shown either
+
+
+@pytest.mark.parametrize("passed_on", [
+    ["--online-store", f"redis://:{SECRET}@redis.example:6379/0"],
+    [f"--online-store=redis://default:{SECRET}@redis.example:6379/0"],
+    ["--online-store", f"rediss://redis.example:6380/0?password={SECRET}"],
+    ["--feature-log", f"postgresql://u:{SECRET}@db/x"],
+    ["--max-batch-size", f"redis://:{SECRET}@h"],  # refused before the serve parser could echo it
+])
+def test_a_url_with_credentials_after_dashdash_is_refused_and_never_written_or_printed(passed_on, tmp_path):
+    result = mlscale("k8s", "serve", "models:/digits/1", "--image", IMAGE, "-o", str(tmp_path / "k8s"), "--",
+                     *passed_on)
+    assert result.returncode == 2 and result.stdout == ""
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "a URL with credentials would be written into the Deployment" in lines[0], lines
+    for piece in ("S3cr", "t-pw", SECRET):
+        assert piece not in result.stderr
+    assert not (tmp_path / "k8s").exists()
+    if passed_on[0].startswith("--online-store"):
+        assert "--online-store-secret" in lines[0]
+
+
+def test_an_online_store_from_a_secret_is_passed_through_the_environment_and_no_password_is_in_the_yaml():
+    result = mlscale("k8s", "serve", "models:/churn/1", "--image", IMAGE, "--online-store-secret", "churn-store",
+                     "--", "--max-batch-size", "16")
+    assert result.returncode == 0, result.stderr
+    deployment = next(m for m in yaml.safe_load_all(result.stdout) if m["kind"] == "Deployment")
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    at = container["command"].index("--online-store")
+    assert container["command"][at + 1] == "$(MLSCALE_ONLINE_STORE)"  # expanded by the kubelet from the env
+    env = {e["name"]: e for e in container["env"]}
+    assert env["MLSCALE_ONLINE_STORE"]["valueFrom"]["secretKeyRef"] == {"name": "churn-store", "key": "url"}
+    twice = mlscale("k8s", "serve", "models:/churn/1", "--image", IMAGE, "--online-store-secret", "churn-store",
+                    "--", "--online-store", "/data/online.db")
+    assert twice.returncode == 2 and "--online-store-secret gives the online store already" in twice.stderr

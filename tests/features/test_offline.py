@@ -149,3 +149,12 @@ def test_retrieval_equals_a_brute_force_reference(tmp_path_factory, source, enti
                                         schema=schema), path)
     got = [r["rate"] for r in _get(_view(path, ttl=ttl), _entities(*entity))]
     assert got == _brute_force(source, entity, ttl)
+
+
+@pytest.mark.parametrize("column", ["__t", "__mlscale_row", "__rank"])
+def test_an_entity_column_named_like_one_of_the_joins_own_is_refused(tmp_path, column):
+    source = _write(tmp_path / "s.parquet", [{"driver_id": 1, "event_timestamp": T0, "rate": 1.0}])
+    later = T0 + timedelta(days=365)  # as __t, it would move the point in time past every row
+    entities = pa.Table.from_pylist([{"driver_id": 1, "event_timestamp": T0 - timedelta(hours=1), column: later}])
+    with pytest.raises(UsageError, match=f"a column named '{column}': names starting with '__' are mlscale's own"):
+        _get(_view(source), entities)

@@ -11,6 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from mlscale.errors import UsageError
 from mlscale.features import (
     Entity,
     FeatureRepository,
@@ -80,3 +81,41 @@ def test_the_ttl_applies_at_the_request_time(tmp_path):
     past = get_online_features(repository, store, ["activity:spend"], [{"user_id": u} for u in range(20)],
                                at=at_ttl + timedelta(microseconds=1))
     assert sum(v is not None for v in served["spend"]) == sum(v is not None for v in past["spend"]) + 1
+
+
+def _typed_repository(tmp_path, dtype):
+    """One view over int user ids, its entity declaring ``dtype`` (None: undeclared)."""
+    pq.write_table(pa.Table.from_pylist([{"user_id": u, "event_timestamp": T0, "spend": 10.0 + u} for u in range(5)]),
+                   tmp_path / "spend.parquet")
+    user = Entity("user", join_keys=["user_id"], dtype=dtype)
+    view = FeatureView("spend", [user], [Field("spend")], FileSource(str(tmp_path / "spend.parquet")))
+    repository = FeatureRepository([user], [view])
+    store = SQLiteStore(tmp_path / "online.db")
+    materialize(repository, store, end_date=T0 + timedelta(hours=1))
+    return repository, store
+
+
+@pytest.mark.parametrize("key", ["3", 3.0, None, True, [3], {"id": 3}, 1 << 64])
+def test_an_entity_key_of_the_wrong_type_is_refused_not_served_as_an_unknown_entity(tmp_path, key):
+    repository, store = _typed_repository(tmp_path, "int64")
+    assert get_online_features(repository, store, ["spend:spend"], [{"user_id": 3}], at=T0)["spend"] == [13.0]
+    with pytest.raises(UsageError, match=r"entity row 1: user_id=.* entity 'user'") as refused:
+        get_online_features(repository, store, ["spend:spend"], [{"user_id": 3}, {"user_id": key}], at=T0)
+    assert len(str(refused.value).splitlines()) == 1
+
+
+@pytest.mark.parametrize("key", [3.0, None, False])
+def test_an_undeclared_entity_key_type_still_refuses_what_is_neither_an_integer_nor_a_string(tmp_path, key):
+    repository, store = _typed_repository(tmp_path, None)
+    with pytest.raises(UsageError, match="an integer or a string"):
+        get_online_features(repository, store, ["spend:spend"], [{"user_id": key}], at=T0)
+    assert get_online_features(repository, store, ["spend:spend"], [{"user_id": np.int64(4)}],
+                               at=T0)["spend"] == [14.0]
+
+
+def test_materializing_keys_of_another_type_than_the_entity_declares_is_refused(tmp_path):
+    with pytest.raises(UsageError, match=r"feature view 'spend': a key in its source .*user_id=0 is an integer, "
+                       "but entity 'user' has a string"):
+        _typed_repository(tmp_path, "string")
+    with pytest.raises(UsageError, match="bad value dtype='float64' of entity 'user'"):
+        Entity("user", dtype="float64")

@@ -65,6 +65,9 @@ def test_served_feature_vectors_equal_the_training_vectors_bit_for_bit(trained):
         assert len(predicted["outputs"]) == 1
         missing_key = httpx.post(f"{base}/predict", json={"entities": [{"account": 1}]})
         assert missing_key.status_code == 400 and "user_id" in missing_key.json()["error"]
+        for wrong in ("3", 3.0, None, True):  # not the entity 3: a 400, never the unknown entity's vector
+            typed = httpx.post(f"{base}/predict", json={"entities": [{"user_id": wrong}]})
+            assert typed.status_code == 400 and "entity 'user' has an integer" in typed.json()["error"], wrong
     rows = pa.Table.from_pylist([{"user_id": r["user_id"], "event_timestamp": datetime.now(timezone.utc)
                                   .replace(tzinfo=None)} for r in asked])
     training = get_historical_features(repository, rows, service)

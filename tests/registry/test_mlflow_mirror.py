@@ -41,3 +41,25 @@ def test_mirroring_the_same_version_twice_creates_no_second_run_or_version(tmp_p
     assert len(client.search_runs([experiment.experiment_id])) == 1
     mirrored = client.get_model_version_by_alias("digits", "champion")
     assert mirrored.tags["mlscale.content_sha256"] and int(mirrored.version) == first["version"]
+
+
+def test_a_mirror_error_shows_no_part_of_the_mlflow_password(tmp_path, trained_runs, monkeypatch, capfd):
+    """MLflow's own message repeats the tracking URI, credentials and all: what is printed has none."""
+    require_module("mlflow")
+    import socket
+
+    from mlscale.cli import main
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    registry = Registry(str(tmp_path / "registry"))
+    register_run(registry, trained_runs["digits"], "digits")
+    code = main(["models", "mirror", "models:/digits/1", "--registry", str(tmp_path / "registry"),
+                 "--mlflow-uri", f"http://mirror:Pw-s3cr@t@127.0.0.1:{port}/"])
+    out, err = capfd.readouterr()
+    assert code == 1 and "MLflow at http://***@127.0.0.1" in err, err
+    for piece in ("Pw-s3cr", "t@127", "s3cr"):
+        assert piece not in out + err

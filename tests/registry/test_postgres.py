@@ -43,3 +43,38 @@ def test_concurrent_registrations_on_postgres_keep_every_artifact_intact(postgre
     for version in versions:  # every version's artifact is in place and its SHA-256 verifies
         assert registry.artifact_path(version, "model.safetensors").read_bytes() == weights.read_bytes()
     assert sorted(p.name for p in (artifacts / "racy").iterdir()) == sorted(str(v) for v in returned)
+
+
+def test_names_that_differ_only_by_case_racing_on_postgres_leave_one_model(postgres_url, tmp_path, trained_runs,
+                                                                           monkeypatch):
+    """Each registration locks only its own model's row; the unique index on the folded name makes the
+    later one wait for the first and then refuses it, whatever the timing."""
+    import threading
+
+    from mlscale.errors import UsageError
+
+    monkeypatch.setenv("MLSCALE_ARTIFACTS", str(tmp_path / "artifacts"))
+    Registry(postgres_url)
+    barrier, outcomes = threading.Barrier(2), {}
+
+    def register(name):
+        registry = Registry(postgres_url)
+        barrier.wait()
+        try:
+            outcomes[name] = register_run(registry, trained_runs["digits"], name).uri
+        except UsageError as exc:
+            outcomes[name] = str(exc)
+        finally:
+            registry.engine.dispose()
+
+    threads = [threading.Thread(target=register, args=(name,)) for name in ("CaseRace", "caserace")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    registry = Registry(postgres_url)
+    assert [m["name"] for m in registry.list_models()] in (["CaseRace"], ["caserace"])
+    winner = registry.list_models()[0]["name"]
+    loser = "caserace" if winner == "CaseRace" else "CaseRace"
+    assert outcomes[winner] == f"models:/{winner}/1" and f"model '{winner}' exists" in outcomes[loser]
+    registry.artifact_path(registry.resolve(f"models:/{winner}/1"), "model.safetensors")  # verified, intact

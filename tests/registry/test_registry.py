@@ -1,15 +1,20 @@
 """The registry on a real SQLite file: versions, stages, aliases, lineage, audit log, verified artifacts."""
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 
+import numpy as np
 import pytest
 import torch
 
 from mlscale import TrainConfig, fit
 from mlscale.errors import MlscaleError, UsageError
 from mlscale.registry import ArtifactIntegrityError, NotFound, Registry, load_torch_model, register_run, schema
-from tests.helpers import run_cli
+from mlscale.registry.artifacts import LocalArtifactStore
+from tests.helpers import REPO, final_weights, max_abs_diff, run_cli
 
 
 @pytest.fixture
@@ -167,3 +172,127 @@ def test_two_registries_sharing_an_artifact_folder_never_replace_each_others_fil
         register_run(second, trained_runs["digits-cnn"], "m")
     load_torch_model(first, first.resolve(version.uri))  # the first registry's weights are intact
     assert second.list_models() == []  # nothing half-registered in the second
+
+
+class CaseFoldingStore(LocalArtifactStore):
+    """Artifacts on a simulated case-insensitive file system (macOS, Windows): keys that differ only by
+    case are one file, as they would be there (the files are real, under a lower-cased key)."""
+
+    def _path(self, key):
+        return super()._path(key.lower())
+
+
+def _case_folding_registry(tmp_path):
+    return Registry(str(tmp_path / "registry"), artifacts=CaseFoldingStore(tmp_path / "registry" / "artifacts"))
+
+
+def test_a_name_that_differs_only_by_case_is_refused_and_the_existing_models_files_are_kept(tmp_path, trained_runs):
+    registry = _case_folding_registry(tmp_path)
+    digits = register_run(registry, trained_runs["digits"], "digits")
+    with pytest.raises(UsageError, match="bad value name='Digits': model 'digits' exists"):
+        register_run(registry, trained_runs["digits-cnn"], "Digits")
+    load_torch_model(registry, registry.resolve(digits.uri))  # its files are intact: verified and loaded
+    assert [m["name"] for m in registry.list_models()] == ["digits"]
+    result = run_cli("models", "register", str(trained_runs["digits-cnn"]), "--name", "DIGITS", "--registry",
+                     str(tmp_path / "registry"))
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1 and "'digits'" in result.stderr
+
+
+def test_the_folder_of_a_committed_version_is_never_removed_by_a_registration(tmp_path, trained_runs):
+    """A registry from before the case check holds both names (a case-sensitive disk, then moved): a
+    registration whose folder is a committed version's where case is not told apart is refused, and
+    neither that folder nor anything else of the committed version is removed."""
+    registry = _case_folding_registry(tmp_path)
+    digits = register_run(registry, trained_runs["digits"], "digits")
+    with registry.engine.begin() as conn:  # as an older registry would hold it
+        conn.exec_driver_sql(f"DROP INDEX {schema.FOLDED_NAME_INDEX}")
+        conn.execute(schema.models.insert().values(name="Digits", description="", created_at="x", updated_at="x"))
+    with pytest.raises(MlscaleError, match=r"artifact folder is that of models:/digits/1 .* nothing was replaced"):
+        register_run(registry, trained_runs["digits-cnn"], "Digits")
+    load_torch_model(registry, registry.resolve(digits.uri))
+    folder = tmp_path / "registry" / "artifacts" / "digits"
+    assert sorted(p.name for p in folder.iterdir()) == ["1"]  # no staging folder left either
+
+
+class SwappingStore(LocalArtifactStore):
+    """A writer that replaces a version's file right after each check (another process with access to
+    the artifact folder): the swap is real, on the file system, between the check and any later read."""
+
+    def __init__(self, root, replacement):
+        super().__init__(root)
+        self.replacement = replacement
+
+    def _swap(self, key):
+        shutil.copyfile(self.replacement, self._path(key))
+
+    def fetch(self, key, sha256):
+        path = super().fetch(key, sha256)
+        self._swap(key)
+        return path
+
+    def fetch_bytes(self, key, sha256):
+        data = super().fetch_bytes(key, sha256)
+        self._swap(key)
+        return data
+
+
+def test_the_bytes_hashed_are_the_bytes_loaded(tmp_path, trained_runs):
+    digits, other = trained_runs["digits"], tmp_path / "other"
+    fit(TrainConfig(task="digits", steps=2, seed=7, run_dir=str(other)))
+    store = SwappingStore(tmp_path / "registry" / "artifacts", other / "final" / "model.safetensors")
+    registry = Registry(str(tmp_path / "registry"), artifacts=store)
+    version = register_run(registry, digits, "digits")
+    model = load_torch_model(registry, version)
+    registered = final_weights(digits)
+    assert max_abs_diff(registered, dict(model.state_dict())) == 0  # the verified weights, not the swapped ones
+    with pytest.raises(ArtifactIntegrityError):  # the file now is the swapped one: the next load refuses it
+        load_torch_model(registry, version)
+
+
+def test_an_onnx_session_runs_the_verified_bytes(tmp_path, trained_runs):
+    """What serving and the export run: a session made from the artifact's verified bytes."""
+    onnx = pytest.importorskip("onnx")
+    from onnx import TensorProto, helper
+
+    from mlscale.export.session import onnx_session
+
+    def graph(op, path):
+        node = helper.make_node(op, ["input"], ["output"])
+        spec = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [None, 2]) for n in ("input", "output")]
+        model = helper.make_model(helper.make_graph([node], "g", [spec[0]], [spec[1]]),
+                                  opset_imports=[helper.make_opsetid("", 17)])
+        model.ir_version = 8
+        onnx.save(model, path)
+        return path
+
+    identity, negate = graph("Identity", tmp_path / "identity.onnx"), graph("Neg", tmp_path / "neg.onnx")
+    store = SwappingStore(tmp_path / "registry" / "artifacts", negate)
+    registry = Registry(str(tmp_path / "registry"), artifacts=store)
+    version = register_run(registry, trained_runs["digits"], "digits")
+    registry.add_artifact("digits", version.version, "model.onnx", identity, {})
+    version = registry.resolve(version.uri)
+    session = onnx_session(registry.artifact_bytes(version, "model.onnx"))
+    batch = np.array([[1.0, -2.0]], dtype=np.float32)
+    assert session.run(["output"], {"input": batch})[0].tolist() == batch.tolist()  # Identity, not Neg
+
+
+@pytest.mark.parametrize("url", ["postgresql+psycopg://user:s3cr@tPW@127.0.0.1:1/db",
+                                 "postgresql+psycopg://user:s3cr@tPW:9@127.0.0.1:1/db",  # was a traceback
+                                 "postgresql+psycopg://user:s3cr@tPW@127.0.0.1:1/db?sslmode=disable"])
+@pytest.mark.parametrize("given", ["flag", "environment"])
+def test_a_malformed_registry_url_is_one_line_exit_2_with_no_part_of_the_password(url, given):
+    env = {**os.environ, "PYTHONPATH": str(REPO), **({"MLSCALE_REGISTRY": url} if given == "environment" else {})}
+    args = ["--registry", url] if given == "flag" else []
+    result = subprocess.run([sys.executable, "-m", "mlscale", "models", "list", *args], capture_output=True,
+                            text=True, env=env, cwd=REPO, timeout=60)
+    output = result.stdout + result.stderr
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, output
+    assert "percent-encode" in result.stderr and "Traceback" not in output
+    for piece in ("s3cr", "tPW"):
+        assert piece not in output
+
+
+def test_an_unreachable_database_names_it_without_its_password():
+    result = run_cli("models", "list", "--registry", "postgresql+psycopg://nobody:Pa55word@127.0.0.1:1/none")
+    assert result.returncode == 1 and "postgresql+psycopg://nobody:***@127.0.0.1:1/none" in result.stderr
+    assert "Pa55word" not in result.stdout + result.stderr

@@ -32,3 +32,21 @@ def test_stage_uris_are_case_insensitive(name, stage, case):
 def test_bad_uris_are_usage_errors(text):
     with pytest.raises(UsageError):
         parse_uri(text)
+
+
+@pytest.mark.parametrize("name", ["digits\n", "digits\n\n", "\ndigits", "digits\r", "digits "])
+def test_a_name_with_a_trailing_newline_is_refused_as_a_whole_not_matched_up_to_it(name):
+    from mlscale.registry.uri import check_name
+
+    with pytest.raises(UsageError, match="bad value name="):
+        check_name(name)
+
+
+@pytest.mark.parametrize("text", ["models:/digits/1\n", "models:/digits@champion\n", "models:/digits/Production\n"])
+def test_a_uri_or_alias_with_a_trailing_newline_is_refused(text):
+    from mlscale.registry.uri import check_alias
+
+    with pytest.raises(UsageError):
+        parse_uri(text)
+    with pytest.raises(UsageError, match="bad value alias="):
+        check_alias("champion\n")
