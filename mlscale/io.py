@@ -67,6 +67,24 @@ def _end_of_last_line(handle: BinaryIO, size: int) -> int:
     return 0
 
 
+def _cut_torn_line(handle: BinaryIO) -> None:
+    size = handle.seek(0, os.SEEK_END)
+    if size:
+        handle.seek(size - 1)
+        if handle.read(1) != b"\n":
+            handle.truncate(_end_of_last_line(handle, size))
+
+
+def repair_jsonl(path: str | Path) -> None:
+    """Cut off a torn last line (no newline: its writer died mid-write), if there is one: what a writer
+    that keeps the file open for appending calls once before it opens it."""
+    try:
+        with Path(path).open("r+b") as handle:
+            _cut_torn_line(handle)
+    except FileNotFoundError:
+        pass
+
+
 def append_jsonl(path: str | Path, record: Any) -> None:
     """Append ``record`` as one line. A torn last line (no newline: its writer died mid-write) is cut
     off first, so this record starts a line of its own. One writer per file."""
@@ -74,11 +92,7 @@ def append_jsonl(path: str | Path, record: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     line = (json.dumps(record) + "\n").encode()
     with path.open("a+b") as handle:  # appends at the end whatever was read or truncated before
-        size = handle.seek(0, os.SEEK_END)
-        if size:
-            handle.seek(size - 1)
-            if handle.read(1) != b"\n":
-                handle.truncate(_end_of_last_line(handle, size))
+        _cut_torn_line(handle)
         handle.write(line)
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from mlscale.cli import main
 from mlscale.errors import MlscaleError
-from mlscale.io import append_jsonl, read_jsonl
+from mlscale.io import append_jsonl, read_jsonl, repair_jsonl
 from mlscale.rundir import RunDir
 
 TORN = b'{"step": 3, "loss": 0.4'
@@ -34,6 +34,17 @@ def test_a_torn_last_line_is_repaired_before_appending(tmp_path):
     path.write_bytes(b"x" * 70_000)  # a torn first line longer than one block read from the end
     append_jsonl(path, {"step": 4})
     assert path.read_bytes() == b'{"step": 4}\n'
+
+
+def test_a_writer_that_keeps_the_file_open_repairs_it_once_before(tmp_path):
+    path = tmp_path / "logs" / "replica0.jsonl"
+    repair_jsonl(path)  # no file yet: nothing to do
+    path.parent.mkdir()
+    path.write_bytes(b'{"event": "start"}\n' + TORN)
+    repair_jsonl(path)
+    with path.open("a", buffering=1) as handle:
+        handle.write(json.dumps({"event": "step"}) + "\n")
+    assert read_jsonl(path) == [{"event": "start"}, {"event": "step"}]
 
 
 def test_a_damaged_line_before_the_last_is_one_line_naming_it(tmp_path):
