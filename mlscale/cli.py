@@ -313,6 +313,8 @@ BENCHMARKS = {
     "export": ("mlscale.bench.export", "inference latency, onnxruntime vs eager torch, digits models"),
     "serve": ("mlscale.bench.serve", "serving goodput at an SLO vs LitServe, FastAPI and offline"),
     "features": ("mlscale.bench.features", "point-in-time retrieval vs pandas merge_asof; SQLite and Redis lookups"),
+    "hostile": ("mlscale.bench.hostile", "a normal client's p99 and the server's memory under slow, idle and "
+                "flooding clients"),
 }
 
 

@@ -16,7 +16,8 @@ _FLAGS = {"--host": str, "--port": int, "--grpc-port": int, "--max-batch-size": 
           "--slo-ms": float, "--cache-mb": float, "--queue-limit": int, "--timeout-ms": float, "--threads": int,
           "--max-body-mb": float, "--reload-interval-s": float, "--drain-delay-s": float,
           "--exec-timeout-s": float, "--online-store": str,
-          "--feature-log": str}
+          "--feature-log": str, "--read-timeout-s": float, "--header-timeout-s": float, "--keep-alive-s": float,
+          "--max-connections": int, "--max-inflight-mb": float, "--store-timeout-ms": float}
 
 
 def _field_help(name: str) -> str:

@@ -59,7 +59,7 @@ def _prepare(scratch: Path) -> dict[str, tuple[Any, Any, Any]]:
         version = register_run(registry, scratch / label, label)
         export_version(registry, version.uri)
         version = registry.resolve(version.uri)
-        session = onnx_session(registry.artifact_path(version, "model.onnx"), threads=1)
+        session = onnx_session(registry.artifact_bytes(version, "model.onnx"), threads=1)
         prepared[label] = (load_torch_model(registry, version), session, task_of(version.config).eval.inputs)
     return prepared
 

@@ -67,7 +67,7 @@ def _batches(total: int) -> list[int]:
     return sizes + ([left] if left > 0 else [])
 
 
-def check_parity(model: nn.Module, path: Path, inputs: torch.Tensor, rtol: float = RTOL,
+def check_parity(model: nn.Module, path: Path | bytes, inputs: torch.Tensor, rtol: float = RTOL,
                  atol: float = ATOL) -> Parity:
     session = onnx_session(path)
     sizes, start, abs_err, rel_err, passed = _batches(len(inputs)), 0, 0.0, 0.0, True
@@ -91,7 +91,7 @@ def _stored_export(registry: Registry, version: ModelVersion, samples: int, rtol
     """The version's stored ``model.onnx`` (verified) and its recorded parity; asked for other
     tolerances than it was checked with, the stored file is checked again against them (nothing is
     rewritten: a version's files are write-once)."""
-    path = registry.artifact_path(version, ONNX_ARTIFACT)  # verifies the stored bytes
+    path = registry.artifact_bytes(version, ONNX_ARTIFACT)  # verified: what is checked is what was hashed
     stored = version.artifacts[ONNX_ARTIFACT]
     parity = Parity(**stored.info["parity"])
     if (parity.rtol, parity.atol) == (rtol, atol):

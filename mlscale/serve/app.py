@@ -27,10 +27,13 @@ from starlette.routing import Route
 from mlscale.serve import describe
 from mlscale.serve.batcher import DeadlineExceeded, Overloaded, Replaced
 from mlscale.serve.cache import ResponseCache, cache_key, raw_key
+from mlscale.serve.connections import BodyBudget
 from mlscale.serve.metrics import ServerMetrics
 from mlscale.serve.models import ModelSlot, ServedModel
 from mlscale.serve.protocol import (
     BadRequest,
+    V2Request,
+    check_json_cost,
     parse_predict,
     parse_v2,
     split_body,
@@ -58,14 +61,17 @@ def internal_error(exc: BaseException, what: str) -> HTTPError:
 
 class ServerState:
     def __init__(self, slots: list[ModelSlot], metrics: ServerMetrics, cache: ResponseCache, max_body_bytes: int,
-                 exec_timeout_s: float | None = None) -> None:
+                 exec_timeout_s: float | None = None, read_timeout_s: float = 10.0,
+                 max_inflight_bytes: int | None = None) -> None:
         self.slots, self.metrics, self.cache, self.max_body_bytes = slots, metrics, cache, max_body_bytes
-        self.exec_timeout_s = exec_timeout_s
+        self.exec_timeout_s, self.read_timeout_s = exec_timeout_s, read_timeout_s
+        self.bodies = metrics.body_bytes = BodyBudget(max_inflight_bytes or 32 * max_body_bytes)
         self.not_live: str | None = None  # why liveness fails; once set it stays: a restart is the cure
         self.ready = False
         self.draining = False  # set by the first SIGTERM: never ready again
         self.tasks: list[asyncio.Task[None]] = []
         self.grpc_address: str | None = None  # where the gRPC service listens, once the models are loaded
+        self.grpc_max_calls: int | None = None  # calls in flight before new ones get RESOURCE_EXHAUSTED
         self.grpc_server: Any = None
         self._grpc_stop: tuple[float, asyncio.Future[None]] | None = None  # (grace, the stop under way)
         self.loop_lag_s = 0.0  # how late the event loop runs what is ready: the server's own backlog
@@ -126,23 +132,73 @@ def _error(status: int, message: str, headers: dict[str, str] | None = None) -> 
     return JSONResponse({"error": message}, status_code=status, headers=headers)
 
 
-async def _read_body(scope: dict[str, Any], receive: Any, limit: int) -> bytes:
-    """The body, refused with 413 past ``limit`` (declared or actual)."""
+_CLOSE = {"Connection": "close"}  # a refused body is not read: the connection cannot carry another request
+
+
+@asynccontextmanager
+async def request_body(state: ServerState, scope: dict[str, Any], receive: Any) -> AsyncIterator[bytes]:
+    """The whole body, held for the ``with`` block: refused with 413 past ``max_body_bytes`` (declared
+    or actual), with 503 when holding it would take the server's body bytes past ``--max-inflight-mb``,
+    and with 408 when it has not all arrived ``--read-timeout-s`` after the headers. Nothing else (no
+    admission slot, no queue place) is taken before it has arrived."""
+    limit, bodies = state.max_body_bytes, state.bodies
+    declared = _content_length(scope)
+    if declared is not None and declared > limit:
+        raise HTTPError(413, f"request body of {declared} bytes is over the {limit}-byte limit", _CLOSE)
+    held = 0
+
+    def hold(size: int) -> None:
+        nonlocal held
+        if not bodies.take(size):
+            state.metrics.refused["body_budget"].inc()
+            raise HTTPError(503, f"the server holds {bodies.held} bytes of request bodies, its limit "
+                            "(--max-inflight-mb); retry later", {"Retry-After": "1", **_CLOSE})
+        held += size
+
+    async def read() -> bytes:
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise HTTPError(400, "client disconnected")
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise HTTPError(413, f"request body is over the {limit}-byte limit", _CLOSE)
+            if size > held:
+                hold(size - held)
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    try:
+        if declared:
+            hold(declared)  # refused before a byte is read when the budget has no room for it
+        try:
+            body = await _within(read(), state.read_timeout_s)
+        except asyncio.TimeoutError:  # the builtin TimeoutError from 3.11 on
+            state.metrics.refused["read_timeout"].inc()
+            raise HTTPError(408, f"the request body did not arrive within {state.read_timeout_s:g} s "
+                            "(--read-timeout-s)", _CLOSE) from None
+        yield body
+    finally:
+        bodies.give(held)
+
+
+async def _within(work: Awaitable[T], seconds: float) -> T:
+    """``work``, cancelled past ``seconds`` (TimeoutError). On 3.11+ a timer on the running task, not a
+    task of its own as ``wait_for`` makes: this is on every request's path."""
+    if hasattr(asyncio, "timeout"):
+        async with asyncio.timeout(seconds):
+            return await work
+    return await asyncio.wait_for(work, seconds)
+
+
+def _content_length(scope: dict[str, Any]) -> int | None:
     for name, value in scope["headers"]:
-        if name == b"content-length" and value.isdigit() and int(value) > limit:
-            raise HTTPError(413, f"request body of {int(value)} bytes is over the {limit}-byte limit")
-    chunks, size, more = [], 0, True
-    while more:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise HTTPError(400, "client disconnected")
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise HTTPError(413, f"request body is over the {limit}-byte limit")
-        chunks.append(chunk)
-        more = message.get("more_body", False)
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        if name == b"content-length":
+            return int(value) if value.isdigit() else None
+    return None
 
 
 def _decode(body: bytes) -> Any:
@@ -201,19 +257,25 @@ def bad_request_is_400(served: ServedModel) -> Iterator[None]:
         raise HTTPError(400, str(exc)) from None
 
 
-async def admitted(state: ServerState, served: ServedModel, answer: Callable[[float], Awaitable[T]]) -> T:
-    """``answer(start)`` for one inference request of any protocol, if admission control lets it in:
-    refused (503) before its body is read when the queue is full or, with an SLO, when more requests
-    are in flight than keep p99 under it. ``start``: when handling began, less the event loop's lag
-    (how long the request waited unseen)."""
-    start = time.perf_counter() - state.loop_lag_s
-    try:  # refuse before reading the body: under overload a refusal must cost as little as possible
+def refuse_if_overloaded(served: ServedModel) -> None:
+    """503 now when the model's queue is full or, with an SLO, its queue would make a new request miss
+    it. Takes nothing: cheap enough to refuse a request before its body is read."""
+    try:
         served.batcher.admit(1)
     except Replaced:
         pass  # swapped out meanwhile: run_inference hands the request to the successor
     except Overloaded as exc:
         served.stats.failure("overloaded")
         raise HTTPError(503, f"overloaded: {exc}; retry later", {"Retry-After": "1"}) from None
+
+
+async def admitted(state: ServerState, served: ServedModel, answer: Callable[[float], Awaitable[T]]) -> T:
+    """``answer(start)`` for one inference request of any protocol whose body (message) has arrived
+    whole, if admission control lets it in: refused (503) when the queue is full or, with an SLO, when
+    more requests are in flight than keep p99 under it. ``start``: now, less the event loop's lag (how
+    long the request waited unseen)."""
+    start = time.perf_counter() - state.loop_lag_s
+    refuse_if_overloaded(served)
     guard = served.batcher.guard
     if guard is None:
         return await answer(start)
@@ -290,12 +352,13 @@ class InferenceFrontend:
     async def _infer(self, scope: dict[str, Any], receive: Any, name: str, version: str | None) -> Answer:
         served = self._model(name, version)
         predict = (name, version) == _PREDICT
-        return await admitted(self.state, served, lambda start: self._answer(scope, receive, served, predict, start))
+        refuse_if_overloaded(served)  # under overload, a refusal costs as little as possible: no body read
+        async with request_body(self.state, scope, receive) as body:  # the slot only once it has all arrived
+            return await admitted(self.state, served, lambda start: self._answer(scope, body, served, predict, start))
 
-    async def _answer(self, scope: dict[str, Any], receive: Any, served: ServedModel, predict: bool,
+    async def _answer(self, scope: dict[str, Any], body: bytes, served: ServedModel, predict: bool,
                       start: float) -> Answer:
         state = self.state
-        body = await _read_body(scope, receive, state.max_body_bytes)
         header_length = _header(scope, HEADER_LENGTH)
         # The memo holds JSON answers to plain JSON bodies; binary framing goes the canonical way, and so
         # does a model fed from features (a body naming entities means other values as the store moves on).
@@ -308,13 +371,12 @@ class InferenceFrontend:
             served.stats.duration.observe(time.perf_counter() - start)
             return Answer(cached)
         with bad_request_is_400(served):
-            if predict:
-                request = parse_predict(_decode(body), served.input)
+            if len(body) > DECODE_INLINE_BYTES:  # decoding megabytes takes milliseconds: not on the loop
+                request = await asyncio.to_thread(_parse, body, header_length, served, predict)
             else:
-                header, binary = split_body(body, header_length)
-                request = parse_v2(_decode(header), served.input, served.output, binary)
+                request = _parse(body, header_length, served, predict)
             if request.array is None:
-                request.array = served.feature_vectors(request.entities)
+                request.array = await entity_features(served, request.entities)
         output, answered_by = await run_inference(state, served, request.array, request.parameters, start)
         raw = b""
         if predict:
@@ -330,6 +392,32 @@ class InferenceFrontend:
         if key is not None and answered_by is served:  # the memo is keyed by the version that answered
             state.cache.put(key, payload)
         return Answer(payload)
+
+
+# Bodies up to this size are decoded on the event loop (tens of microseconds); larger ones in a thread,
+# so a few clients sending megabytes of JSON cannot hold every other request up while they decode.
+DECODE_INLINE_BYTES = 64 * 1024
+
+
+def _parse(body: bytes, header_length: bytes | None, served: ServedModel, predict: bool) -> V2Request:
+    header, binary = (body, b"") if predict else split_body(body, header_length)
+    if len(header) > DECODE_INLINE_BYTES:
+        check_json_cost(header, served.input)
+    if predict:
+        return parse_predict(_decode(header), served.input)
+    return parse_v2(_decode(header), served.input, served.output, binary)
+
+
+async def entity_features(served: ServedModel, entities: Any) -> np.ndarray:
+    """The model's input built from the online store; 503 with Retry-After when the store does not
+    answer in time (only the requests that need it wait on it)."""
+    from mlscale.serve.featured import StoreUnavailable
+
+    try:
+        return await served.feature_vectors(entities)
+    except StoreUnavailable as exc:
+        served.stats.failure("store_unavailable")
+        raise HTTPError(503, f"{exc}; retry later", {"Retry-After": "1"}) from None
 
 
 @dataclass
@@ -387,8 +475,8 @@ def build_app(state: ServerState) -> InferenceFrontend:
                                                 request.path_params.get("version")))
 
     async def repository_index(request: Request) -> Response:
-        body = await _read_body(request.scope, request.receive, state.max_body_bytes)
-        options = _decode(body) if body else {}
+        async with request_body(state, request.scope, request.receive) as body:
+            options = _decode(body) if body else {}
         if not isinstance(options, dict) or not isinstance(options.get("ready", False), bool):
             raise HTTPError(400, 'the body must be {} or {"ready": true|false}')
         return JSONResponse(describe.repository_index(state, options.get("ready", False)))
@@ -423,7 +511,8 @@ def build_app(state: ServerState) -> InferenceFrontend:
         if state.grpc_address is not None:
             from mlscale.serve.grpc_api import start_grpc
 
-            state.grpc_server = await start_grpc(state, state.grpc_address, state.max_body_bytes)
+            state.grpc_server = await start_grpc(state, state.grpc_address, state.max_body_bytes,
+                                                 max_calls=state.grpc_max_calls)
         gc.collect()
         gc.freeze()  # what start-up loaded lives as long as the server: keep it out of every collection
         state.ready = not state.draining

@@ -151,11 +151,18 @@ def service_handler(state: ServerState) -> grpc.GenericRpcHandler:
         for name, message in calls.items()})
 
 
-async def start_grpc(state: ServerState, address: str, max_message_bytes: int) -> grpc.aio.Server:
-    """The gRPC server, listening on ``address`` in the running event loop."""
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", min(max_message_bytes, 2**31 - 1)),
-                                      ("grpc.max_send_message_length", -1),
-                                      ("grpc.so_reuseport", 0)])  # never share the port with another server
+async def start_grpc(state: ServerState, address: str, max_message_bytes: int,
+                     max_calls: int | None = None) -> grpc.aio.Server:
+    """The gRPC server, listening on ``address`` in the running event loop. A call's handler runs (and
+    takes an admission slot) only once its whole message has arrived; what unfinished calls may hold is
+    bounded by the message size, the calls in flight (``max_calls``) and the streams per connection."""
+    server = grpc.aio.server(
+        maximum_concurrent_rpcs=max_calls,
+        options=[("grpc.max_receive_message_length", min(max_message_bytes, 2**31 - 1)),
+                 ("grpc.max_send_message_length", -1),
+                 ("grpc.max_concurrent_streams", 64),  # per connection
+                 ("grpc.max_connection_idle_ms", 5 * 60 * 1000),  # an idle connection goes after 5 minutes
+                 ("grpc.so_reuseport", 0)])  # never share the port with another server
     server.add_generic_rpc_handlers((service_handler(state),))
     try:
         server.add_insecure_port(address)

@@ -75,6 +75,8 @@ COUNTERS = [
     (lambda s: s.cache["miss"], "mlscale_cache_num_misses_per_model", "Response cache misses"),
     (lambda s: s.cache["coalesced"], "mlscale_cache_num_coalesced_per_model",
      "Requests answered by an identical in-flight miss"),
+    (lambda s: s.feature_log_failures, "mlscale_feature_log_failure",
+     "Served feature vectors not written to the feature log (it is best-effort: inference goes on)"),
 ]
 HISTOGRAMS = [
     (lambda s: s.duration, "mlscale_inference_request_duration_seconds", "End-to-end request time in the server"),
@@ -108,6 +110,7 @@ class ModelStats:
         # per request, as Triton counts compute: each request of a batch, with its batch's duration
         self.compute_requests, self.compute_request_seconds = Counter(), Counter()
         self.feature_skew: Any = None  # a model served from features: its FeatureSkew
+        self.feature_log_failures = Counter()
 
     def failure(self, reason: str) -> None:
         counter = self.failures.get(reason)
@@ -120,6 +123,9 @@ class ServerMetrics:
     def __init__(self, cache: ResponseCache | None = None) -> None:
         self.models: dict[tuple[str, str], ModelStats] = {}
         self.cache = cache  # read at scrape time: the bytes it really holds, never a stale copy
+        # requests refused before any model was chosen: a body too slow to arrive, or past the body budget
+        self.refused = {"read_timeout": Counter(), "body_budget": Counter()}
+        self.body_bytes: Any = None  # the server's BodyBudget: request-body bytes held now
         self.registry = CollectorRegistry()
         self.registry.register(self)  # type: ignore[arg-type]  # a collector is anything with collect()
 
@@ -161,6 +167,14 @@ class ServerMetrics:
             for row in stats.feature_skew.report() if stats.feature_skew is not None else ():
                 skew.add_metric([*stats.labels, row["feature"]], row["distance"])
         yield skew
+        refused = CounterMetricFamily("mlscale_http_request_refused", "HTTP requests refused before their body "
+                                      "was read whole (read_timeout: 408; body_budget: 503)", labels=["reason"])
+        for reason, counter in self.refused.items():
+            refused.add_metric([reason], counter.value)
+        yield refused
+        if self.body_bytes is not None:
+            yield GaugeMetricFamily("mlscale_request_body_bytes", "Request-body bytes held now (bounded by "
+                                    "--max-inflight-mb)", value=self.body_bytes.held)
         if self.cache is not None:
             yield GaugeMetricFamily("mlscale_cache_bytes", "Bytes held by the response cache (values, keys and "
                                     "per-entry overhead)", value=self.cache.bytes)

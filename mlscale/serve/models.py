@@ -29,7 +29,9 @@ def _served_spec(tensor: dict[str, Any], precision: str | None) -> TensorSpec:
     datatype = tensor["datatype"]
     if precision is not None and datatype in ("FP16", "FP32", "FP64"):
         datatype = precision
-    return TensorSpec(tensor["name"], datatype, tuple(tensor["shape"]))
+    value_range = tensor.get("range")
+    return TensorSpec(tensor["name"], datatype, tuple(tensor["shape"]),
+                      tuple(value_range) if value_range is not None else None)
 
 
 class ServedModel:
@@ -57,16 +59,19 @@ class ServedModel:
         if version.config.get("task") == "features":
             from mlscale.serve.featured import FeatureInputs
 
-            self.features = FeatureInputs(version, options.online_store, options.feature_log)
+            self.features = FeatureInputs(version, options.online_store, options.feature_log,
+                                          timeout_s=options.store_timeout_ms / 1e3,
+                                          on_log_failure=self.stats.feature_log_failures.inc)
             self.stats.feature_skew = self.features.skew
 
-    def feature_vectors(self, entities: Any) -> np.ndarray:
-        """The input tensor of a request that names entities (a BadRequest for any other model)."""
+    async def feature_vectors(self, entities: Any) -> np.ndarray:
+        """The input tensor of a request that names entities (a BadRequest for any other model; a
+        ``StoreUnavailable`` when the online store does not answer in time)."""
         if self.features is None:
             raise BadRequest(f"model {self.name} was not trained from features: send 'inputs', not 'entities'")
         from mlscale.serve.featured import entity_rows
 
-        return self.features.vectors(entity_rows(entities))
+        return await self.features.vectors(entity_rows(entities))
 
     def warm_up(self) -> None:
         shape = [1 if d == -1 else d for d in self.input.shape]

@@ -44,16 +44,48 @@ class ServeOptions(BaseModel):
                                  "inference is still served, before the listener closes")
     exec_timeout_s: float | None = Field(None, gt=0, description="a model call running longer marks the "
                                          "server not live (liveness 503), so an orchestrator restarts it")
+    # What a hostile or broken client may hold: connections, time, bytes. A request takes an admission
+    # slot only once its whole body has arrived, so slow senders cost a connection, never a slot.
+    read_timeout_s: float = Field(10.0, gt=0, description="longest a request body may take to arrive after "
+                                  "its headers (then 408 and the connection is closed)")
+    header_timeout_s: float = Field(5.0, gt=0, description="longest a connection may take to send a request's "
+                                    "headers, the first ones included (then it is closed)")
+    keep_alive_s: float = Field(5.0, gt=0, description="an idle keep-alive connection is closed after this")
+    max_connections: int | None = Field(None, ge=1, description="open HTTP connections (and gRPC calls) "
+                                        "before new requests get 503; default: sized for the host's open-file "
+                                        "limit, at most 2048")
+    max_inflight_mb: float = Field(64.0, gt=0, description="request-body bytes the server holds at once, "
+                                   "across requests; past it new bodies get 503 at once")
+    store_timeout_ms: float = Field(500.0, gt=0, description="longest an online-store lookup may take (then "
+                                    "503 with Retry-After for the requests that need it)")
 
     @model_validator(mode="after")
     def _ports_differ(self) -> ServeOptions:
         if self.grpc_port == self.port:
             raise ValueError(f"grpc-port {self.grpc_port} is the HTTP port: give each its own")
+        if self.max_inflight_mb < self.max_body_mb:
+            raise ValueError(f"max-inflight-mb {self.max_inflight_mb:g} is below max-body-mb {self.max_body_mb:g}: "
+                             "no body of the largest size could ever be read")
         return self
 
     @property
     def max_body_bytes(self) -> int:
         return int(self.max_body_mb * 1024 * 1024)
+
+    @property
+    def max_inflight_bytes(self) -> int:
+        return int(self.max_inflight_mb * 1024 * 1024)
+
+    @property
+    def connection_limit(self) -> int:
+        """``max_connections``, or what the process's open-file limit allows (a socket is a file; leave
+        room for models, logs and the registry), at most 2048."""
+        if self.max_connections is not None:
+            return self.max_connections
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        return max(64, min(2048, (soft if soft != resource.RLIM_INFINITY else 4096) - 128))
 
 
 def serve_options(**values: Any) -> ServeOptions:

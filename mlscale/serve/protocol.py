@@ -40,9 +40,50 @@ def _rounds_to_inf(kind: type[np.floating]) -> float:
 _ROUNDS_TO_INF = {np.dtype(t): _rounds_to_inf(t) for t in (np.float16, np.float32, np.float64)}
 
 
+def _count(data: list[Any]) -> int:
+    """How many values ``data`` holds if it is evenly nested: the product of the lengths along its
+    first elements (cheap; an uneven list is caught by numpy later, on a size that is known to fit)."""
+    count, level = 1, data
+    while isinstance(level, list):
+        count *= len(level)
+        if not level:
+            break
+        level = level[0]
+    return count
+
+
+def check_integers(array: np.ndarray, spec: TensorSpec) -> np.ndarray:
+    """Integer values within what the input may take: the datatype's range and, where the model
+    declares one, its own (an embedding's ids). Checked before batching, so a bad id is the client's
+    400, never a failed model call that its batch-mates pay for."""
+    if array.size and spec.value_range is not None:
+        low, high = spec.value_range
+        smallest, largest = int(array.min()), int(array.max())
+        if smallest < low or largest > high:
+            bad = smallest if smallest < low else largest
+            raise BadRequest(f"input '{spec.name}' holds {bad}, outside the {low}..{high} the model takes")
+    return array
+
+
+def _integral(array: np.ndarray, spec: TensorSpec) -> np.ndarray:
+    """JSON numbers into an integer datatype: whole numbers within its range, never truncated."""
+    info = np.iinfo(spec.dtype)
+    if array.dtype.kind == "f":
+        if array.size and not (np.isfinite(array).all() and (array == np.floor(array)).all()):
+            raise BadRequest(f"input '{spec.name}' ({spec.datatype}) holds values that are not whole numbers")
+        if array.size and (array.min() < info.min or array.max() > info.max):
+            raise BadRequest(f"input '{spec.name}' holds values outside the range of {spec.datatype}")
+    elif array.size and (int(array.min()) < info.min or int(array.max()) > info.max):
+        raise BadRequest(f"input '{spec.name}' holds values outside the range of {spec.datatype}")
+    return check_integers(array.astype(spec.dtype), spec)
+
+
 def as_array(data: Any, spec: TensorSpec, shape: list[int]) -> np.ndarray:
     if not isinstance(data, list):
         raise BadRequest("'data' must be a list of numbers")
+    expected = math.prod(shape)
+    if _count(data) != expected:  # before numpy builds anything: a huge body of [0],[0],... costs nothing
+        raise BadRequest(f"'data' has {_count(data)} values but shape {shape} needs {expected}")
     try:
         array = np.asarray(data)
     except (ValueError, TypeError):
@@ -50,8 +91,10 @@ def as_array(data: Any, spec: TensorSpec, shape: list[int]) -> np.ndarray:
     kind, dtype = array.dtype.kind, spec.dtype
     if kind not in "biuf" or (kind == "b" and spec.datatype != "BOOL"):
         raise BadRequest(f"'data' must hold numbers for datatype {spec.datatype}")
-    if array.size != math.prod(shape):
-        raise BadRequest(f"'data' has {array.size} values but shape {shape} needs {math.prod(shape)}")
+    if array.size != expected:
+        raise BadRequest(f"'data' has {array.size} values but shape {shape} needs {expected}")
+    if dtype.kind in "iu" and kind != "b":
+        return _integral(array.reshape(shape), spec)
     if kind == "f" and dtype.kind == "f":
         # JSON numbers (float64) into a float model, the usual case: one range check before the cast
         # (NaN fails it too), so the cast cannot overflow (no np.errstate needed).
@@ -76,6 +119,17 @@ def check_shape(spec: TensorSpec, shape: Any) -> list[int]:
     if not 1 <= shape[0] <= MAX_ROWS:
         raise BadRequest(f"batch dimension must be between 1 and {MAX_ROWS}, got {shape[0]}")
     return shape
+
+
+def check_json_cost(body: bytes, spec: TensorSpec) -> None:
+    """Refuse, before decoding, a JSON body that holds far more numbers or lists than any request for
+    this input can: decoding builds a Python object per value while holding the interpreter (a thread
+    does not help), and 8 MB of ``[0],[0],...`` takes seconds. Counting bytes costs milliseconds."""
+    row = math.prod(d for d in spec.shape[1:] if d > 0)
+    most_values = MAX_ROWS * max(row, 64) + 1024  # + room for the other fields (entities, ids, outputs)
+    if body.count(b",") > most_values or body.count(b"[") > most_values // max(spec.shape[-1], 1) + 1024:
+        raise BadRequest(f"the request holds more values or lists than input '{spec.name}' of shape "
+                         f"{list(spec.shape)} takes (at most {MAX_ROWS} rows)")
 
 
 @dataclass
@@ -144,7 +198,7 @@ def array_from_bytes(raw: bytes, spec: TensorSpec, shape: list[int]) -> np.ndarr
     array = values.astype(spec.dtype)
     if array.dtype.kind == "f" and not np.isfinite(array).all():
         raise BadRequest("binary data holds values that are not finite in " + spec.datatype)
-    return array
+    return check_integers(array, spec) if array.dtype.kind in "iu" else array
 
 
 def wire_dtype(datatype: str) -> np.dtype:

@@ -31,10 +31,12 @@ class OnnxRuntime:
     kind = "onnx"
     datatype = None
 
-    def __init__(self, path: str, threads: int = 1) -> None:
+    def __init__(self, model: str | bytes, threads: int = 1) -> None:
+        """``model``: the ONNX file's bytes (as verified against the registry: what is hashed is what is
+        loaded), or a path."""
         from mlscale.export.session import onnx_session
 
-        self.session = onnx_session(path, threads=threads)
+        self.session = onnx_session(model, threads=threads)
 
     def run(self, batch: np.ndarray) -> np.ndarray:
         return self.session.run(["output"], {"input": batch})[0]
@@ -69,6 +71,9 @@ class TensorSpec:
     name: str
     datatype: str
     shape: tuple[int, ...]  # -1 for the batch dimension
+    # the values an integer input may take, both ends included, where the model declares them (the ids
+    # an embedding has rows for, recorded at registration); None: any value of the datatype
+    value_range: tuple[int, int] | None = None
 
     @cached_property  # read on every request
     def dtype(self) -> np.dtype:
@@ -90,7 +95,7 @@ def load_runtime(registry: Registry, version: ModelVersion, kind: str = "auto", 
         if "model.onnx" not in version.artifacts:
             raise UsageError(f"{version.uri} has no ONNX artifact: run `mlscale export {version.uri}` first, "
                              "or serve with --runtime torch")
-        return OnnxRuntime(str(registry.artifact_path(version, "model.onnx")), threads)
+        return OnnxRuntime(registry.artifact_bytes(version, "model.onnx"), threads)
     from mlscale.registry import load_torch_model
 
     return TorchRuntime(load_torch_model(registry, version), threads, datatype=PRECISIONS.get(precision))

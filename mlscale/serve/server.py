@@ -22,6 +22,7 @@ from mlscale.errors import MlscaleError
 from mlscale.registry import Registry
 from mlscale.serve.app import GRPC_GRACE_S, ServerState, build_app
 from mlscale.serve.cache import ResponseCache
+from mlscale.serve.connections import protocol_with
 from mlscale.serve.metrics import ServerMetrics
 from mlscale.serve.models import ModelSlot
 from mlscale.serve.options import ServeOptions
@@ -70,7 +71,8 @@ def build_state(uris: list[str], options: ServeOptions, registry: Registry) -> S
         version = registry.resolve(uri)
         runtime = load_runtime(registry, version, options.runtime, options.threads, options.precision)
         slots.append(ModelSlot(uri, registry, options, metrics, loaded=(version, runtime)))
-    return ServerState(slots, metrics, cache, options.max_body_bytes, exec_timeout_s=options.exec_timeout_s)
+    return ServerState(slots, metrics, cache, options.max_body_bytes, exec_timeout_s=options.exec_timeout_s,
+                       read_timeout_s=options.read_timeout_s, max_inflight_bytes=options.max_inflight_bytes)
 
 
 def bind(host: str, port: int, flag: str = "--port") -> socket.socket:
@@ -103,12 +105,15 @@ def serve(uris: list[str], *, options: ServeOptions | None = None, registry_loca
     if options.grpc_port is not None:
         host = f"[{options.host}]" if ":" in options.host else options.host
         state.grpc_address = f"{host}:{options.grpc_port}"
+        state.grpc_max_calls = options.connection_limit
     logging.basicConfig(level=logging.WARNING, format="mlscale serve: %(message)s")
     # No proxy-header rewriting (nothing here reads the client address) and no Server/Date headers:
-    # per-request work the hot path does not need.
+    # per-request work the hot path does not need. What a client may hold is bounded: connections
+    # (limit_concurrency: past it, 503), the time to send headers (HeaderDeadline) and an idle keep-alive.
     config = uvicorn.Config(build_app(state), host=options.host, port=options.port, log_level=log_level,
                             access_log=False, timeout_graceful_shutdown=30, lifespan="on", proxy_headers=False,
-                            server_header=False, date_header=False)
+                            server_header=False, date_header=False, http=protocol_with(options.header_timeout_s),
+                            limit_concurrency=options.connection_limit, timeout_keep_alive=options.keep_alive_s)
     grpc_note = f", gRPC on {state.grpc_address}" if state.grpc_address else ""
     print(f"mlscale serve: {', '.join(uris)} on http://{options.host}:{options.port} (Open Inference Protocol "
           f"v2, /predict, /metrics{grpc_note})", file=sys.stderr, flush=True)

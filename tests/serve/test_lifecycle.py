@@ -102,6 +102,10 @@ class CountingStore(LocalArtifactStore):
         self.fetches[key] += 1
         return super().fetch(key, sha256)
 
+    def fetch_bytes(self, key: str, sha256: str) -> bytes:
+        self.fetches[key] += 1
+        return super().fetch_bytes(key, sha256)
+
 
 def test_each_model_is_loaded_and_hashed_once_at_start(serve_registry):
     store = CountingStore(Path(serve_registry) / "artifacts")
