@@ -156,7 +156,33 @@ def serve_command(spec: ServingDeployment) -> list[str]:
     command += ["--grpc-port", str(GRPC_PORT)] if spec.grpc else ["--no-grpc"]
     if spec.online_store_secret:  # expanded by the kubelet from the Secret-backed variable, not written here
         command += ["--online-store", f"$({ONLINE_STORE_ENV})"]
+    given = {arg.split("=", 1)[0] for arg in spec.serve_args}
+    for flag, value in client_limits(spec.memory).items():
+        if flag not in given:
+            command += [flag, value]
     return command + list(spec.serve_args)
+
+
+def client_limits(memory: str | None) -> dict[str, str]:
+    """What clients may hold, in line with the pod's memory limit, so that no number of slow or flooding
+    clients can get it OOM-killed: a sixteenth of the limit for request bodies held at once, and another
+    for connections (each may buffer 64 KiB before the server stops reading it)."""
+    if memory is None:
+        return {}
+    budget = quantity_bytes(memory) / 16
+    body_mb = max(8.0, budget / 2**20)  # never below the largest body (--max-body-mb 8)
+    connections = int(min(4096, max(64, budget // 2**16)))
+    return {"--max-inflight-mb": f"{body_mb:g}", "--max-connections": str(connections)}
+
+
+_UNITS = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18,
+          "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+
+
+def quantity_bytes(quantity: str) -> float:
+    """A memory quantity as Kubernetes writes it (``1Gi``, ``512Mi``, ``1.5G``) in bytes."""
+    number = quantity.rstrip("kMGTPEi")
+    return float(number) * _UNITS[quantity[len(number):]]
 
 
 def _probe(path: str, period_s: int, failures: int, timeout_s: int) -> dict[str, Any]:

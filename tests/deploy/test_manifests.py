@@ -281,3 +281,22 @@ def test_an_online_store_from_a_secret_is_passed_through_the_environment_and_no_
     twice = mlscale("k8s", "serve", "models:/churn/1", "--image", IMAGE, "--online-store-secret", "churn-store",
                     "--", "--online-store", "/data/online.db")
     assert twice.returncode == 2 and "--online-store-secret gives the online store already" in twice.stderr
+
+
+def _serve_command(*args: str) -> list[str]:
+    result = mlscale("k8s", "serve", "models:/digits/1", "--image", IMAGE, *args)
+    assert result.returncode == 0, result.stderr
+    deployment = next(m for m in yaml.safe_load_all(result.stdout) if m["kind"] == "Deployment")
+    return deployment["spec"]["template"]["spec"]["containers"][0]["command"]
+
+
+def _flag(command: list[str], flag: str) -> str:
+    return command[command.index(flag) + 1]
+
+
+def test_what_clients_may_hold_follows_the_pods_memory_limit_unless_given():
+    small = _serve_command("--memory", "512Mi")  # a sixteenth of the limit each: bodies, connections
+    assert (_flag(small, "--max-inflight-mb"), _flag(small, "--max-connections")) == ("32", "512")
+    given = _serve_command("--memory", "512Mi", "--", "--max-connections", "100")
+    assert given.count("--max-connections") == 1 and _flag(given, "--max-connections") == "100"
+    assert _flag(given, "--max-inflight-mb") == "32"
