@@ -52,6 +52,7 @@ from mlscale.io import _fsync_dir, atomic_write
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 PARTIAL = ".partial"
+REPLACED = ".replaced"  # a step's earlier checkpoint, moved aside while the same step is saved again
 OPTIMIZER_PREFIX = "optimizer/"
 TRAINER_FILE = "trainer.json"
 WriteHook = Callable[[int, Path], None]
@@ -151,7 +152,11 @@ class Checkpointer:
         return self.group if self.collective else None  # a reader outside the group reads on its own
 
     def path_for(self, step: int) -> Path:
-        return self.directory / step_name(step)
+        """The step's checkpoint: its folder, or the copy a re-save interrupted between its two renames
+        left aside (the only complete copy of that step then)."""
+        final = self.directory / step_name(step)
+        aside = final.with_name(final.name + REPLACED)
+        return aside if not final.exists() and aside.is_dir() else final
 
     # -- saving ------------------------------------------------------------------------------------
     def _clean_partials(self) -> None:
@@ -160,8 +165,15 @@ class Checkpointer:
         if self._cleaned:
             return
         if self.coordinator and self.directory.is_dir():
-            for leftover in [*self.directory.glob(f"step_*{PARTIAL}"), *self.directory.glob("step_*.replaced")]:
+            for aside in self.directory.glob(f"step_*{REPLACED}"):
+                final = aside.with_name(aside.name.removesuffix(REPLACED))
+                if final.exists():
+                    shutil.rmtree(aside, ignore_errors=True)
+                else:  # a re-save died between its renames: the earlier copy is the step's checkpoint again
+                    aside.rename(final)
+            for leftover in self.directory.glob(f"step_*{PARTIAL}"):
                 shutil.rmtree(leftover, ignore_errors=True)
+            _fsync_dir(self.directory)
         if self.collective:
             dist.barrier(group=self.group)
         self._cleaned = True
@@ -201,8 +213,8 @@ class Checkpointer:
         if self.coordinator:
             if self.write_hook is not None:
                 self.write_hook(step, partial / "__0_0.distcp")
-            final = self.path_for(step)
-            old = final.with_name(final.name + ".replaced")
+            final = self.directory / step_name(step)
+            old = final.with_name(final.name + REPLACED)
             if final.exists():  # an earlier checkpoint of the same step (a resumed, finished run): moved
                 shutil.rmtree(old, ignore_errors=True)  # aside first, so one complete copy always exists
                 final.rename(old)
@@ -236,11 +248,11 @@ class Checkpointer:
         """Steps with a checkpoint directory that was renamed into place (complete when written)."""
         if not self.directory.is_dir():
             return []
-        found = []
+        found = set()
         for path in self.directory.iterdir():
-            name = path.name
+            name = path.name.removesuffix(REPLACED)  # a copy left aside counts (see path_for)
             if path.is_dir() and name.startswith("step_") and name[5:].isdigit():
-                found.append(int(name[5:]))
+                found.add(int(name[5:]))
         return sorted(found)
 
     def legacy_files(self) -> list[Path]:

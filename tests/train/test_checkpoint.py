@@ -52,6 +52,21 @@ def test_a_crash_mid_write_leaves_the_previous_checkpoint_as_latest(tmp_path):
     assert not (tmp_path / "step_00000010.partial").exists()
 
 
+def test_a_resave_interrupted_between_its_two_renames_is_put_back_on_start(tmp_path):
+    checkpoints = Checkpointer(tmp_path)
+    checkpoints.save(4, _state(4.0), trainer={"step": 4})
+    # A re-save of step 4 died after moving the old copy aside and before renaming the new one in.
+    (tmp_path / "step_00000004").rename(tmp_path / "step_00000004.replaced")
+    (tmp_path / "step_00000004.partial").mkdir()
+    reader = Checkpointer(tmp_path)
+    assert reader.latest_complete() == (4, {"step": 4})  # found before any save, by every rank
+    assert torch.equal(reader.load(4, _template()).tensors["model/w"], torch.full((3,), 4.0))
+    reader.save(6, _state(6.0), trainer={"step": 6})  # the next save puts it back, never removes it
+    assert reader.steps() == [4, 6] and (tmp_path / "step_00000004").is_dir()
+    assert not list(tmp_path.glob("*.replaced")) and not list(tmp_path.glob("*.partial"))
+    assert torch.equal(Checkpointer(tmp_path).load(4, _template()).tensors["model/w"], torch.full((3,), 4.0))
+
+
 def test_a_truncated_shard_is_skipped_for_the_one_before(tmp_path, capsys):
     checkpoints = Checkpointer(tmp_path)
     checkpoints.save(1, _state(1.0), trainer={"step": 1})
