@@ -96,10 +96,12 @@ def append_jsonl(path: str | Path, record: Any) -> None:
         handle.write(line)
 
 
-def read_jsonl(path: str | Path) -> list[Any]:
+def read_jsonl(path: str | Path, *, many_writers: bool = False) -> list[Any]:
     """The records of a JSONL file ([] if there is none). A torn last line (no newline, or one that does
     not parse) is skipped: its writer died while writing it. A bad line before the last one is damage
-    that no crash explains: an ``MlscaleError`` naming the file and line."""
+    that no crash explains: an ``MlscaleError`` naming the file and line. ``many_writers``: processes
+    append to the file side by side (each rank's failures), so a line any of them tore may be followed
+    by others' lines: every line that does not parse is skipped."""
     from mlscale.errors import MlscaleError
 
     try:
@@ -117,8 +119,8 @@ def read_jsonl(path: str | Path) -> list[Any]:
         try:
             records.append(json.loads(line))
         except ValueError:
-            if number == len(lines):  # the last line, torn and then ended by a newline
-                break
+            if many_writers or number == len(lines):  # torn, then ended by a newline
+                continue
             raise MlscaleError(f"{path}:{number} is not a JSON record (the file is damaged); move the line "
                                "away or delete it to go on") from None
     return records

@@ -28,6 +28,7 @@ from typing import Any
 from mlscale.bench.machine import machine_info
 from mlscale.bench.report import median_bars, pyplot, save_figure, write_results
 from mlscale.cli_parsers import add_out_option, int_at_least
+from mlscale.io import read_jsonl
 
 MODES = ("restart", "per-step")
 VICTIM = 1
@@ -63,7 +64,7 @@ def _config(args: argparse.Namespace, mode: str, kill: bool, run_dir: Path) -> A
 
 
 def _lines(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return read_jsonl(path)
 
 
 def failure_costs(run_dir: Path, mode: str, steady_s: float, steps: int, kill_step: int) -> dict[str, float]:

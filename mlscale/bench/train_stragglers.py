@@ -13,7 +13,6 @@ loss ddp reaches without a straggler, +2%), medians over repeats, modes interlea
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -23,6 +22,7 @@ from typing import Any
 
 from mlscale.bench.machine import machine_info
 from mlscale.bench.report import pyplot, save_figure, write_results
+from mlscale.io import read_jsonl
 
 MODES: dict[str, list[str]] = {
     "ddp": ["--strategy", "ddp"],
@@ -75,7 +75,7 @@ def _run(task: str, mode: str, scenario: str, args: argparse.Namespace, scratch:
                           run_dir=str(scratch / f"{task}-{mode}-{scenario}-{time.time_ns()}"),
                           warmup_steps_for_throughput=5, progress=False, **overrides)
     report = fit(config)
-    lines = [json.loads(line) for line in (Path(config.run_dir or "") / "metrics.jsonl").read_text().splitlines()]
+    lines = read_jsonl(Path(config.run_dir or "") / "metrics.jsonl")
     return {"samples_per_s": report["samples_per_s"], "final_loss": report["final_loss"],
             "eval": report["eval"], "stragglers": report["stragglers"],
             "curve": [(line["elapsed_s"], line["loss"]) for line in lines],

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from mlscale.errors import UsageError
-from mlscale.io import atomic_write_json
+from mlscale.io import atomic_write_json, read_jsonl
 
 _OPTIONAL = {"p", "rejoin_by"}
 ANY_RANK = -1  # rank=any
@@ -221,16 +221,4 @@ def rejoined_path(logs: Path, rank: int) -> Path:
 
 def _records(path: Path) -> list[dict[str, object]]:
     """The faults fired so far (``logs/faults.jsonl``); a line torn by a process killed mid-write is skipped."""
-    try:
-        lines = path.read_text().splitlines()
-    except OSError:
-        return []
-    records = []
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(record, dict):
-            records.append(record)
-    return records
+    return [record for record in read_jsonl(path, many_writers=True) if isinstance(record, dict)]

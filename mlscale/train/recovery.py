@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from mlscale.errors import first_line
+from mlscale.io import append_jsonl, read_jsonl
 from mlscale.rundir import RunDir
 
 _RECORD = struct.Struct("<qd")  # completed steps, unix time
@@ -51,9 +52,8 @@ def last_beats(directory: Path, attempt: int) -> list[tuple[int, float]]:
 
 
 def _records(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The records of a file every rank appends to (faults, failures): a line torn by any is skipped."""
+    return [record for record in read_jsonl(path, many_writers=True) if isinstance(record, dict)]
 
 
 def fault_times(log_path: Path) -> list[float]:
@@ -142,14 +142,13 @@ class RecoveryTracker:
             "steps_redone": max(0, self.failed_at_step - self.resumed_from),
             "downtime_s": time.time() - self.failure_time if self.failure_time else None,
         }
-        with self.path.open("a") as handle:
-            handle.write(json.dumps(event) + "\n")
+        append_jsonl(self.path, event)
         return event
 
 
 def recovery_summary(run_path: Path) -> dict[str, Any]:
     path = run_path / "recovery.jsonl"
-    events = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    events = read_jsonl(path)
     downtimes = [e["downtime_s"] for e in events if e["downtime_s"] is not None]
     return {
         "events": events,
