@@ -294,6 +294,7 @@ def measure(target: Target, attack: str, seconds: float = 3.0, recovery_s: float
         "rss_idle_mb": round(idle_rss, 1) if idle_rss else None,
         "rss_peak_mb": round(peak[0], 1) if target.pid else None,
         "answered_again_after_ms": _ms(after[0]) if after else None,
+        "held_at_end": (details["connected"] - details["closed_by_server"]) if "connected" in details else None,
     }
 
 
@@ -311,7 +312,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from mlscale.cli_parsers import add_out_option
 
     add_out_option(p, "hostile")
-    p.add_argument("--seconds", type=float, default=4.0, help="how long each attack runs (default 4)")
+    p.add_argument("--seconds", type=float, default=12.0, help="how long each attack runs (default 12: past the "
+                   "server's default header and body deadlines, 5 and 10 s)")
     p.add_argument("--attacks", default=",".join(ATTACKS), help=f"comma-separated (default {','.join(ATTACKS)})")
     p.add_argument("--baseline-src", metavar="DIR", help="another checkout of mlscale (e.g. a git worktree of an "
                    "older commit) whose server is attacked the same way, side by side")
@@ -378,8 +380,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                     process.wait(10)
                 results["trials"].setdefault(attack, {})[label] = trial
                 print(f"{attack:<17} {label:<9} p99 {trial['client_p99_ms']} ms, errors {trial['client_errors']}"
-                      f"/{trial['client_requests']}, RSS {trial['rss_idle_mb']} -> {trial['rss_peak_mb']} MB",
-                      flush=True)
+                      f"/{trial['client_requests']}, RSS {trial['rss_idle_mb']} -> {trial['rss_peak_mb']} MB, "
+                      f"connections held at the end {trial['held_at_end']}", flush=True)
     return results
 
 
@@ -390,12 +392,13 @@ def plot(results: dict[str, Any], path: Path) -> None:
     trials = results["trials"]
     attacks = list(trials)
     labels = list(results["servers"])
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    fig, axes = plt.subplots(1, 3, figsize=(18, 4.8))
     width = 0.8 / len(labels)
     for ax, key, title in ((axes[0], "client_p99_ms", "normal client's p99 during the attack (ms, log)"),
-                           (axes[1], "rss_peak_mb", "server's peak memory (MB)")):
+                           (axes[1], "rss_peak_mb", "server's peak memory (MB)"),
+                           (axes[2], "held_at_end", "attack's connections the server still held at its end")):
         for i, label in enumerate(labels):
-            values = [trials[a][label][key] or 0 for a in attacks]
+            values = [trials[a][label].get(key) or 0 for a in attacks]
             ax.bar([x + i * width for x in range(len(attacks))], values, width, label=label)
         ax.set_xticks([x + width * (len(labels) - 1) / 2 for x in range(len(attacks))], attacks, rotation=20)
         ax.set_title(title)
