@@ -16,7 +16,9 @@ The pattern of the Kubernetes documentation (and of Kubeflow Trainer and JobSet 
   retry budget; any other failure uses one of ``backoffLimitPerIndex`` retries of that index. Inside a
   pod, ``--max-restarts`` is torchrun's budget for restarting the workers (a peer pod lost, a worker
   crashed); every start resumes from the newest checkpoint on the shared volume (``--resume``);
-- ``successPolicy``: the Job has succeeded once pod 0 (rank 0, the one that writes the report) has.
+- ``successPolicy``: the Job has succeeded once pod 0 (rank 0, the one that writes the report) has;
+- a NetworkPolicy admits traffic to the Job's pods from its own pods only: the rendezvous store, the
+  workers' store and gloo/NCCL connections listen on every interface of a pod, without a credential.
 """
 
 from __future__ import annotations
@@ -128,8 +130,9 @@ class TrainingJob:
 
 
 def training_manifests(job: TrainingJob) -> list[Manifest]:
-    """The ConfigMap (the run's config), the headless Service (stable pod DNS names) and the Job."""
-    return [_config_map(job), _headless_service(job), _job(job)]
+    """The ConfigMap (the run's config), the headless Service (stable pod DNS names), the NetworkPolicy
+    (the pods reachable from each other only) and the Job."""
+    return [_config_map(job), _headless_service(job), _network_policy(job), _job(job)]
 
 
 def torchrun_command(job: TrainingJob) -> list[str]:
@@ -163,6 +166,16 @@ def _headless_service(job: TrainingJob) -> Manifest:
                 "selector": labels(job.name, "training"),
                 "ports": [{"name": "rendezvous", "port": RENDEZVOUS_PORT, "targetPort": RENDEZVOUS_PORT}],
             }}
+
+
+def _network_policy(job: TrainingJob) -> Manifest:
+    """Ingress to the Job's pods from the Job's pods only, on any port: torchrun's rendezvous (29500), the
+    workers' store and the collectives' connections (ports chosen at run time) take no credential, so
+    nothing else may reach them. Needs a network plugin that enforces NetworkPolicy (most do)."""
+    pods = {"matchLabels": labels(job.name, "training")}
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": metadata(job.name, job.namespace, "training"),
+            "spec": {"podSelector": pods, "policyTypes": ["Ingress"], "ingress": [{"from": [{"podSelector": pods}]}]}}
 
 
 def _environment(job: TrainingJob) -> list[dict[str, Any]]:

@@ -7,8 +7,11 @@ LOCAL_RANK, MASTER_ADDR/PORT), so the same worker runs under our launcher and un
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
+import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -63,6 +66,76 @@ def pick_device(preference: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+LOCAL_HOST = "127.0.0.1"  # what a job on one machine listens on
+BIND_ENV = "MLSCALE_BIND_HOST"  # the one address a worker's servers listen on (mlscale's local launchers: loopback)
+_STORE_ARGS = ("host_name", "port", "world_size", "is_master", "timeout", "wait_for_workers", "multi_tenant",
+               "master_listen_fd", "use_libuv")
+
+
+def bind_host() -> str | None:
+    """``$MLSCALE_BIND_HOST``: where this process's servers listen, and the address it gives its peers;
+    None: every interface, advertised by host name (what torch and torchft do)."""
+    return os.environ.get(BIND_ENV) or None
+
+
+def listening_socket(host: str, port: int = 0) -> socket.socket:
+    """A TCP socket listening on ``host`` only (port 0: any free one)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    return sock
+
+
+def tcp_store_listening_on(host: str) -> type[dist.TCPStore]:
+    """``TCPStore`` whose servers listen on ``host`` only: torch's own listen on every interface, whatever
+    host name they are given, unless handed a listening socket (``master_listen_fd``)."""
+
+    class BoundTCPStore(dist.TCPStore):  # type: ignore[misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            params = {**dict(zip(_STORE_ARGS, args)), **kwargs}
+            if params.get("is_master") and params.get("master_listen_fd") is None:
+                sock = listening_socket(host, int(params.get("port") or 0))
+                params["port"] = sock.getsockname()[1]
+                params["master_listen_fd"] = sock.detach()  # the store's from now on
+            super().__init__(**params)
+
+    return BoundTCPStore
+
+
+@contextlib.contextmanager
+def stores_listening_on(host: str) -> Iterator[None]:
+    """In this process, every ``TCPStore`` server torch's elastic agent starts (the rendezvous's, the
+    workers' store) listens on ``host`` only, while the block runs."""
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
+
+    original, bound = dist.TCPStore, tcp_store_listening_on(host)
+    dist.TCPStore = c10d_rendezvous_backend.TCPStore = bound  # type: ignore[misc]  # read when called
+    try:
+        yield
+    finally:
+        dist.TCPStore = c10d_rendezvous_backend.TCPStore = original  # type: ignore[misc]
+
+
+def loopback_interface() -> str | None:
+    """The loopback network interface's name (``lo`` on Linux), if this machine has one by that name."""
+    names = {name for _, name in socket.if_nameindex()}
+    return next((name for name in ("lo", "lo0") if name in names), None)
+
+
+def private_environment(host: str) -> dict[str, str]:
+    """What a local launcher gives its workers so that they listen on ``host`` (loopback) only: their own
+    servers (``$MLSCALE_BIND_HOST``) and gloo's and NCCL's connections (unless the caller chose an
+    interface)."""
+    env = {BIND_ENV: host}
+    loopback = loopback_interface()
+    if loopback is not None:
+        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            env[name] = os.environ.get(name, loopback)
+    return env
+
+
 def _attempt_store(attempt: int, world: int, timeout: timedelta) -> dist.Store | None:
     """The rendezvous store, with keys kept apart per restart attempt.
 
@@ -72,10 +145,17 @@ def _attempt_store(attempt: int, world: int, timeout: timedelta) -> dist.Store |
     The restart count is each agent's own, so the prefix is used only when one agent runs every rank;
     across hosts, set ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (a fresh store per rendezvous round, as
     mlscale's Kubernetes Job does), since a replaced host starts counting again from 0.
-    Outside the agent, ``None`` lets ``init_process_group`` use ``env://`` as usual.
+    Outside the agent, ``None`` lets ``init_process_group`` use ``env://`` as usual, unless
+    ``$MLSCALE_BIND_HOST`` is set: rank 0's store then listens there only (env:// would listen on every
+    interface).
     """
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
+        host, rank = bind_host(), int(os.environ.get("RANK", 0))
+        if host is None or "MASTER_PORT" not in os.environ:
+            return None
+        store_type = tcp_store_listening_on(host) if rank == 0 else dist.TCPStore
+        return store_type(os.environ.get("MASTER_ADDR", host), int(os.environ["MASTER_PORT"]), world,
+                          is_master=rank == 0, timeout=timeout)
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
                           timeout=timeout)
     if int(os.environ.get("LOCAL_WORLD_SIZE", world)) != world:

@@ -28,7 +28,7 @@ from mlscale.io import atomic_write
 from mlscale.rundir import RunDir
 from mlscale.tasks import make_task
 from mlscale.train.checkpoint import Checkpointer
-from mlscale.train.dist import member_from_environ, under_launcher
+from mlscale.train.dist import LOCAL_HOST, member_from_environ, private_environment, stores_listening_on, under_launcher
 from mlscale.train.faults import parse_fault
 from mlscale.train.recovery import KNOCK_ON
 from mlscale.train.replica_groups import launch_replica_groups
@@ -213,6 +213,8 @@ def _launch_local(config: TrainConfig, run_dir: RunDir, world: int) -> None:
     _quiet_elastic_logs()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    for name, value in private_environment(LOCAL_HOST).items():  # the workers listen on loopback only
+        os.environ.setdefault(name, value)
     launch = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=world,
         run_id=f"mlscale-{uuid.uuid4().hex[:8]}",
@@ -221,7 +223,8 @@ def _launch_local(config: TrainConfig, run_dir: RunDir, world: int) -> None:
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir.logs / "elastic")),
     )
     try:
-        elastic_launch(launch, sys.executable)("-m", "mlscale.train", str(run_dir.path))
+        with stores_listening_on(LOCAL_HOST):  # the agent's, in this process
+            elastic_launch(launch, sys.executable)("-m", "mlscale.train", str(run_dir.path))
     except ChildFailedError as exc:
         rank, how = _root_cause(exc, config.collective_timeout_s)
         _write_failed_report(config, run_dir, rank, how)

@@ -6,6 +6,11 @@ groups never notice more than a quorum without it. The lighthouse lives in this 
 ``LighthouseServer``, the server behind its ``torchft_lighthouse`` binary) unless ``--lighthouse`` names
 one that runs elsewhere, as a multi-host job needs. This process follows the run directory to show
 progress and the quorum's changes, since the replica that writes the records changes with the quorum.
+
+Everything the job listens on is on loopback (``LOCAL_HOST``): the lighthouse, each agent's stores
+(``local_agent``), each worker's torchft Manager, checkpoint transport and gloo connections. Every state
+transfer carries the job's secret (``$MLSCALE_JOB_TOKEN``, generated here unless set), which the
+workers get in their environment and nothing writes down.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -25,11 +31,12 @@ from typing import Any
 from mlscale.config import TrainConfig
 from mlscale.errors import UsageError, WorkerFailed
 from mlscale.rundir import RunDir
-from mlscale.train.dist import REPLICA_ENV
+from mlscale.train.dist import LOCAL_HOST, REPLICA_ENV, private_environment
 from mlscale.train.progress import Progress
 from mlscale.train.strategies.per_step import (
     LAUNCH_ENV,
     LIGHTHOUSE_ENV,
+    TOKEN_ENV,
     import_torchft,
     job_finished,
     replica_log_path,
@@ -50,11 +57,12 @@ def lighthouse(config: TrainConfig) -> Iterator[str]:
     import_torchft()
     from torchft.coordination import LighthouseServer
 
-    server = LighthouseServer(bind="[::]:0", min_replicas=config.min_replicas,
+    server = LighthouseServer(bind=f"{LOCAL_HOST}:0", min_replicas=config.min_replicas,
                               join_timeout_ms=max(10_000, 10 * config.heartbeat_timeout_ms),
                               heartbeat_timeout_ms=config.heartbeat_timeout_ms)
     try:
-        yield server.address()
+        # its address names this host, which may resolve to an address it does not listen on
+        yield f"http://{LOCAL_HOST}:{server.address().rsplit(':', 1)[1]}"
     finally:
         server.shutdown()
 
@@ -78,9 +86,9 @@ def gpus_per_group(config: TrainConfig) -> list[list[str]] | None:
 
 
 def agent_command(config: TrainConfig, run_dir: RunDir) -> list[str]:
-    """One replica group's torchrun: its own rendezvous (``--standalone``), ``--group-size`` workers, its
-    own restarts."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+    """One replica group's torchrun (``local_agent``: its stores on loopback): its own rendezvous
+    (``--standalone``), ``--group-size`` workers, its own restarts."""
+    return [sys.executable, "-m", "mlscale.train.local_agent", "--standalone", "--nnodes=1",
             f"--nproc-per-node={config.group_size}",
             f"--max-restarts={config.max_restarts}", "--monitor-interval=0.1",
             "-m", "mlscale.train", str(run_dir.path)]
@@ -93,7 +101,8 @@ def launch_replica_groups(config: TrainConfig, run_dir: RunDir, total_steps: int
         env = {**os.environ, LIGHTHOUSE_ENV: address, LAUNCH_ENV: uuid.uuid4().hex[:12],
                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "LOGLEVEL": "ERROR",
                "RUST_LOG": os.environ.get("RUST_LOG", "error"), "TORCH_CPP_LOG_LEVEL": "ERROR",
-               NO_PROGRESS_ENV: "1"}
+               NO_PROGRESS_ENV: "1", TOKEN_ENV: os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(32),
+               **private_environment(LOCAL_HOST)}
         if config.group_size > 1:
             # A fresh store per rendezvous round: a restarted group's ranks must not read the torchft
             # Manager address its previous attempt published in the agent's store.

@@ -103,7 +103,7 @@ def test_stdout_is_the_same_manifests_as_the_files(rendered):
     documents = list(yaml.safe_load_all(result.stdout))
     files = [yaml.safe_load(p.read_text()) for p in sorted(rendered["train-cpu"].iterdir())]
     assert sorted(documents, key=str) == sorted(files, key=str)
-    assert [d["kind"] for d in documents] == ["ConfigMap", "Service", "Job"]
+    assert [d["kind"] for d in documents] == ["ConfigMap", "Service", "NetworkPolicy", "Job"]
 
 
 @pytest.mark.parametrize("version", [MIN_KUBERNETES, NEWEST_KUBERNETES])
@@ -221,10 +221,10 @@ def test_the_scale_out_guide_renders_what_it_says_and_it_validates(tmp_path):
     assert result.stdout.startswith("ok: task digits")
     kinds = {folder.name: sorted(p.name.split("-")[0] for p in folder.iterdir())
              for folder in (tmp_path / "k8s").iterdir()}
-    assert kinds == {"train": ["configmap", "job", "service"],
+    assert kinds == {"train": ["configmap", "job", "networkpolicy", "service"],
                      "serve": ["deployment", "horizontalpodautoscaler", "poddisruptionbudget", "service"],
                      "serve-queue": ["deployment", "horizontalpodautoscaler", "poddisruptionbudget", "service"]}
-    assert result.stdout.count(" passed for resource ") == 3  # the guide's own kubernetes-validate run
+    assert result.stdout.count(" passed for resource ") == 4  # the guide's own kubernetes-validate run
     queue = yaml.safe_load((tmp_path / "k8s/serve-queue/horizontalpodautoscaler-mlscale-digits.yaml").read_text())
     assert queue["spec"]["metrics"][0]["pods"]["metric"]["name"] == "mlscale_inference_pending_request_count"
 

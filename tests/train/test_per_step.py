@@ -6,14 +6,28 @@ checkpoints only at the end) loses two of them to SIGKILL: group 1 in the middle
 flight, which the quorum discards and redoes), then group 0, the quorum's leader that writes the run
 directory, before step 13. Each comes back under its agent and receives the state from a live peer.
 The final weights are compared with a reference that averages, step by step, the gradients of exactly
-the groups the quorum recorded. One HSDP run (fsdp inside 2 groups of 2
+the groups the quorum recorded. While it runs, the job's listening sockets are checked: loopback only,
+and a state fetch without the job's token gets 401. One HSDP run (fsdp inside 2 groups of 2
 processes) loses a process of group 1: the whole group restarts and each of its ranks receives its own
 shards from the same rank of group 0.
 """
 
+import contextlib
 import json
+import os
+import re
+import secrets
 import shutil
+import socket
 import statistics
+import struct
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +37,7 @@ from mlscale.data import ShardLoader
 from mlscale.tasks import make_task
 from mlscale.train.strategies.per_step import read_replica_logs
 from mlscale.train.trainer import build_optimizer, lr_factor
-from tests.helpers import final_weights, run_cli
+from tests.helpers import REPO, final_weights, run_cli
 
 STEPS, GROUPS, BATCH, COMPUTE_MS = 28, 3, 16, 300
 # replica group -> how, the step (1-based), and the step before which the others wait for its replacement
@@ -32,18 +46,117 @@ KILLS = {1: ("kill_in_step", 5, 12), 0: ("kill", 13, 24)}
 HSDP_STEPS, HSDP_COMPUTE_MS = 28, 150
 
 
+TOKEN = secrets.token_urlsafe(32)  # the job's secret ($MLSCALE_JOB_TOKEN) for the killed run
+
+
 @pytest.fixture(scope="module")
-def killed_run(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("per-step") / "run"
+def killed_run_live(tmp_path_factory):
+    """The killed run, and what its sockets looked like while it ran (``_probe``)."""
+    root = tmp_path_factory.mktemp("per-step")
+    run_dir = root / "run"
     faults = [arg for group, (kind, step, by) in KILLS.items()
               for arg in ("--fault", f"{kind}:rank={group}:step={step}:rejoin_by={by}")]
-    result = run_cli("train", "--task", "digits", "--workers", str(GROUPS), "--fault-tolerance", "per-step",
-                     "--steps", str(STEPS), "--batch-size", str(BATCH), "--dtype", "float64",
-                     "--simulated-compute-ms", str(COMPUTE_MS), "--heartbeat-timeout-ms", "300",
-                     "--max-restarts", "1", "--log-every", "4", "--collective-timeout", "30",
-                     "--run-dir", str(run_dir), *faults, timeout=150)
-    assert result.returncode == 0, result.stderr
-    return run_dir, json.loads((run_dir / "report.json").read_text()), read_replica_logs(run_dir), result.stderr
+    args = ["train", "--task", "digits", "--workers", str(GROUPS), "--fault-tolerance", "per-step",
+            "--steps", str(STEPS), "--batch-size", str(BATCH), "--dtype", "float64",
+            "--simulated-compute-ms", str(COMPUTE_MS), "--heartbeat-timeout-ms", "300",
+            "--max-restarts", "1", "--log-every", "4", "--collective-timeout", "30",
+            "--run-dir", str(run_dir), *faults]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "MLSCALE_JOB_TOKEN": TOKEN}
+    with (root / "stdout").open("w") as out, (root / "stderr").open("w") as err:
+        job = subprocess.Popen([sys.executable, "-m", "mlscale", *args], stdout=out, stderr=err, cwd=REPO, env=env)
+        try:
+            probe = _probe(job, run_dir)
+            code = job.wait(timeout=150)
+        finally:
+            if job.poll() is None:
+                job.kill()
+    stderr = (root / "stderr").read_text()
+    assert code == 0, stderr
+    report = json.loads((run_dir / "report.json").read_text())
+    return run_dir, report, read_replica_logs(run_dir), stderr, {**probe, "stdout": (root / "stdout").read_text()}
+
+
+@pytest.fixture(scope="module")
+def killed_run(killed_run_live):
+    return killed_run_live[:4]
+
+
+def _probe(job, run_dir):
+    """Once group 2 (never killed) has trained a step: every TCP socket the job's processes listen on, which
+    of them answer on a non-loopback address of this machine, and group 2's state transport's answers to
+    requests without the token."""
+    deadline, transport = time.monotonic() + 120, None
+    while transport is None and time.monotonic() < deadline and job.poll() is None:
+        with contextlib.suppress(OSError, ValueError):  # a line being written
+            lines = read_replica_logs(run_dir).get((2, 0), [])
+            if any(line["event"] == "step" for line in lines):
+                transport = next(line["transport"] for line in lines if line["event"] == "up")
+        time.sleep(0.05)
+    assert transport is not None, "the run ended or stalled before its first step"
+    sockets = _listening(job.pid)
+    outside = _non_loopback_address()
+    answers = {name: _get(f"{transport}1/full", headers) for name, headers in
+               (("no token", {}), ("a wrong token", {"Authorization": "Bearer " + secrets.token_urlsafe(32)}),
+                ("the token without Bearer", {"Authorization": TOKEN}))}
+    return {"sockets": sockets, "outside": outside, "transport": transport, "answers": answers,
+            "reachable_outside": [port for _, port, _ in sockets if outside and _connects(outside, port)]}
+
+
+def _listening(root):
+    """(address, port, pid) of each TCP socket listening in process ``root`` and its descendants."""
+    children = {}
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            children.setdefault(int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]), []).append(
+                int(entry.name))
+    tree, owner = [root], {}
+    for pid in tree:
+        tree.extend(children.get(pid, []))
+        with contextlib.suppress(OSError):
+            for fd in (Path("/proc") / str(pid) / "fd").iterdir():
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd)
+                    if target.startswith("socket:["):
+                        owner[target[8:-1]] = pid
+    found = []
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        for row in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = row.split()
+            if fields[3] != "0A" or fields[9] not in owner:  # 0A: LISTEN
+                continue
+            address, port = fields[1].split(":")
+            raw = b"".join(struct.pack("<I", int(address[i:i + 8], 16)) for i in range(0, len(address), 8))
+            found.append((socket.inet_ntop(family, raw), int(port, 16), owner[fields[9]]))
+    return found
+
+
+def _non_loopback_address():
+    """An IPv4 address of this machine other than loopback, or None."""
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        shown = subprocess.run(["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True, timeout=10).stdout
+        for address in re.findall(r"inet (\d+\.\d+\.\d+\.\d+)/", shown):
+            if not address.startswith("127."):
+                return address
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect(("192.0.2.1", 9))  # a UDP "connection" sends nothing: the source address of the route
+        if not probe.getsockname()[0].startswith("127."):
+            return probe.getsockname()[0]
+    return None
+
+
+def _connects(host, port):
+    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=2):
+        return True
+    return False
+
+
+def _get(url, headers):
+    """(status, body) of a GET."""
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10) as answer:
+            return answer.status, answer.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read()
 
 
 def _steps(lines):
@@ -183,6 +296,48 @@ def test_hsdp_a_replacement_group_receives_each_ranks_shards_and_trains_as_recor
     assert finals[0, 0] == finals[1, 0] and finals[0, 1] == finals[1, 1]  # rank r's shards, bitwise, per group
     assert report["recovery"]["samples_not_trained"] > 0
     assert_trained_as_recorded(run_dir, report, groups=2, group_size=2, steps=HSDP_STEPS)
+
+
+def test_the_job_listens_on_loopback_only_and_its_state_needs_the_token(killed_run_live):
+    run_dir, _, _, stderr, probe = killed_run_live
+    sockets = probe["sockets"]
+    # the lighthouse (the launcher's), each agent's stores, each worker's Manager, transport and gloo
+    assert len({pid for _, _, pid in sockets}) >= 1 + 2 * GROUPS, sockets
+    assert all(address in ("127.0.0.1", "::1") for address, _, _ in sockets), sockets
+    for name, (status, body) in probe["answers"].items():
+        assert status == 401, (name, status, body)
+        assert re.findall(rb"\d+", body) == [b"401"], body  # nothing about the state, not even its step
+    written = [path.read_bytes() for path in run_dir.rglob("*") if path.is_file()]
+    assert not any(TOKEN.encode() in data for data in written)  # config, report, logs: none holds the secret
+    assert TOKEN not in stderr and TOKEN not in probe["stdout"]
+    if probe["outside"] is None:
+        pytest.skip("this machine has no non-loopback IPv4 address to try the job's ports from")
+    assert probe["reachable_outside"] == [], (probe["outside"], probe["reachable_outside"])
+
+
+def test_the_state_transport_answers_only_the_jobs_token():
+    """In process, on real sockets: a fetch with the token gets the state; without it, or with another
+    job's, 401 and nothing about the state."""
+    from mlscale.train.strategies.per_step import _safe_transport
+
+    timeout = timedelta(seconds=20)
+    sender, receiver, stranger = (_safe_transport(timeout, token, "127.0.0.1") for token in ("s3cret", "s3cret",
+                                                                                             "other"))
+    try:
+        state = {"model": {"w": torch.arange(4.0)}, "job": {"history": [[2, 3, [0]]], "position": [0, 64]}}
+        sender.send_checkpoint([1], step=7, state_dict=state, timeout=timeout)
+        address = sender.metadata()
+        assert address.startswith("http://127.0.0.1:")
+        received = receiver.recv_checkpoint(0, address, 7, timeout)
+        assert torch.equal(received["model"]["w"], state["model"]["w"]) and received["job"] == state["job"]
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            stranger.recv_checkpoint(0, address, 7, timeout)
+        for step in (7, 8):
+            status, body = _get(f"{address}{step}/full", {})
+            assert status == 401 and re.findall(rb"\d+", body) == [b"401"], body
+    finally:
+        for transport in (sender, receiver, stranger):
+            transport.shutdown()
 
 
 def test_a_replica_that_finds_the_last_step_committed_leaves(tmp_path):

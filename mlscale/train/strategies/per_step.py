@@ -7,7 +7,10 @@ is applied only when the quorum commits the step; a step that failed (a peer die
 discarded everywhere and its batch redone. A replica that dies is left out once the lighthouse stops
 hearing from it; the others go on and never restart. Its replacement joins the next quorum and
 receives the current weights, optimizer, schedule and step from a live peer over torchft's HTTP
-transport, read back as tensors and plain containers only (``weights_only``).
+transport, read back as tensors and plain containers only (``weights_only``). The transport answers
+only a request that carries the job's secret (``$MLSCALE_JOB_TOKEN``: 401 without it, and nothing about
+the state); with ``$MLSCALE_BIND_HOST`` set (mlscale's local launcher: loopback) the transport and the
+Manager listen there only.
 
 Every replica keeps its own data shard and takes the batch of the quorum's step from it, so a sample is
 trained at most once: a discarded step is redone with the same batches, and the batches of a replica
@@ -20,12 +23,16 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import hmac
 import json
 import logging
 import os
+import socket
 import time
 import urllib.request
+from collections.abc import Iterator
 from datetime import timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +43,7 @@ from mlscale.config import TrainConfig
 from mlscale.data import Position
 from mlscale.errors import UsageError
 from mlscale.io import atomic_write_json
-from mlscale.train.dist import JOB_START_ENV, under_launcher
+from mlscale.train.dist import JOB_START_ENV, bind_host, under_launcher
 from mlscale.train.strategies.ddp import DDPStrategy
 from mlscale.train.strategies.sharded import FSDPStrategy
 from mlscale.train.strategy import Batch, JobFinished, Setup, StepResult, StepStart
@@ -44,6 +51,7 @@ from mlscale.train.timing import median, now
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"  # torchft's own variable for the lighthouse's address
 LAUNCH_ENV = "MLSCALE_LAUNCH"  # set by mlscale's local launcher: the replicas of one launch start together
+TOKEN_ENV = "MLSCALE_JOB_TOKEN"  # the job's secret: every state transfer carries it
 
 
 def import_torchft() -> Any:
@@ -72,19 +80,87 @@ def _members_mixin(base: type) -> type:
     return WithMembers
 
 
-def _safe_transport(timeout: timedelta) -> Any:
-    """torchft's HTTP checkpoint transport, reading what a peer sends as tensors and plain containers only
-    (``torch.load(weights_only=True)``): a peer's bytes never name code to run."""
-    from torch.distributed._serialization import _streaming_load
-    from torchft.checkpointing.http_transport import HTTPTransport
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
-    class WeightsOnlyHTTPTransport(HTTPTransport):
-        @classmethod
-        def _load_from_address(cls, address: str, timeout: timedelta) -> object:
-            with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
+
+def _safe_transport(timeout: timedelta, token: str, host: str | None) -> Any:
+    """torchft's HTTP checkpoint transport, made private: it answers only requests that carry ``token``
+    (``Authorization: Bearer``; else 401, saying nothing of the state or its step), its fetches send it,
+    and it reads what a peer sends as tensors and plain containers only (``torch.load(weights_only=True)``):
+    a peer's bytes never name code to run. ``host``: the one address it listens on and gives its peers
+    (None: every interface, named by host name, as torchft does)."""
+    from torch.distributed._serialization import _streaming_load
+    from torchft.checkpointing import http_transport
+    from torchft.http import _IPv6HTTPServer
+
+    expected = f"Bearer {token}".encode()
+    family = socket.AF_INET6 if host is None or ":" in host else socket.AF_INET
+
+    class Server(ThreadingHTTPServer):
+        address_family = family
+        request_queue_size = _IPv6HTTPServer.request_queue_size
+
+    def server(address: Any, handler: type[BaseHTTPRequestHandler]) -> ThreadingHTTPServer:
+        class Authenticated(handler):  # type: ignore[misc, valid-type]  # torchft's, behind the token
+            def do_GET(self) -> None:
+                given = self.headers.get("Authorization", "").encode()
+                if hmac.compare_digest(given, expected):
+                    super().do_GET()
+                    return
+                body = b"401 Unauthorized: this job's token is required\n"
+                self.send_response(401)
+                self.send_header("WWW-Authenticate", 'Bearer realm="mlscale"')
+                self.send_header("Content-Type", "text/plain")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass  # a line on stderr per request: a peer's, or anyone's knocking
+
+        return Server((host or address[0], address[1]), Authenticated)
+
+    class PrivateHTTPTransport(http_transport.HTTPTransport):
+        def __init__(self) -> None:
+            # torchft builds its server inside __init__, from the module's name for the class
+            http_transport._IPv6HTTPServer = server  # type: ignore[misc, assignment]
+            try:
+                super().__init__(timeout=timeout, num_chunks=0)
+            finally:
+                http_transport._IPv6HTTPServer = _IPv6HTTPServer  # type: ignore[misc]
+
+        def address(self) -> str:
+            if host is None:
+                return super().address()
+            return f"http://{_url_host(host)}:{self._server.socket.getsockname()[1]}/checkpoint/"
+
+        def _load_from_address(self, address: str, timeout: timedelta) -> object:  # type: ignore[override]
+            request = urllib.request.Request(address, headers={"Authorization": f"Bearer {token}"})
+            with urllib.request.urlopen(request, timeout=timeout.total_seconds()) as f:
                 return _streaming_load(f, weights_only=True)
 
-    return WeightsOnlyHTTPTransport(timeout=timeout, num_chunks=0)
+    return PrivateHTTPTransport()
+
+
+@contextlib.contextmanager
+def _manager_server_on(host: str | None) -> Iterator[None]:
+    """torchft's Manager starts its server on every interface (``[::]``); with ``host``, there only."""
+    if host is None:
+        yield
+        return
+    import torchft.manager as module
+
+    original = module.ManagerServer
+
+    def bound(*, bind: str, **kwargs: Any) -> Any:
+        return original(bind=f"{_url_host(host)}:{bind.rsplit(':', 1)[1]}", **kwargs)
+
+    module.ManagerServer = bound  # type: ignore[misc]  # read by Manager.__init__
+    try:
+        yield
+    finally:
+        module.ManagerServer = original  # type: ignore[misc]
 
 
 def state_digest(state: Any) -> str:
@@ -200,6 +276,10 @@ class PerStep:
             raise UsageError("bad value lighthouse=None: under your own torchrun, per-step fault tolerance needs the "
                              "torchft lighthouse's address (--lighthouse http://HOST:29510; run torchft_lighthouse "
                              "there)")
+        if under_launcher() and not os.environ.get(TOKEN_ENV):
+            raise UsageError(f"bad value {TOKEN_ENV}=None: under your own torchrun, per-step fault tolerance needs the "
+                             "job's secret, the same on every host (e.g. python -c 'import secrets; "
+                             "print(secrets.token_urlsafe(32))'): a replacement's state transfer must carry it")
         if "tensorboard" in config.log:
             raise UsageError("bad value log='tensorboard': under per-step fault tolerance the group that writes the "
                              "records changes with the quorum; read metrics.jsonl instead")
@@ -257,14 +337,18 @@ class PerStep:
         timeout = timedelta(seconds=self.config.collective_timeout_s)
         group_type = _members_mixin(ProcessGroupNCCL if self.env.device.type == "cuda" else ProcessGroupGloo)
         self.group = group_type(timeout=timeout)
-        self.manager = Manager(
-            pg=self.group, load_state_dict=self._load_live_state, state_dict=self._live_state,
-            min_replica_size=self.config.min_replicas, use_async_quorum=False, timeout=timeout,
-            quorum_timeout=timeout, rank=self.env.rank, world_size=self.env.world_size,
-            lighthouse_addr=self.config.lighthouse or os.environ[LIGHTHOUSE_ENV],  # checked before the start
-            replica_id=f"replica_{self.env.replica}",
-            checkpoint_transport=_safe_transport(timeout), init_sync=False, max_retries=10)
+        host = bind_host()
+        transport = _safe_transport(timeout, os.environ[TOKEN_ENV], host)  # the token: checked before the start
+        with _manager_server_on(host):
+            self.manager = Manager(
+                pg=self.group, load_state_dict=self._load_live_state, state_dict=self._live_state,
+                min_replica_size=self.config.min_replicas, use_async_quorum=False, timeout=timeout,
+                quorum_timeout=timeout, rank=self.env.rank, world_size=self.env.world_size,
+                lighthouse_addr=self.config.lighthouse or os.environ[LIGHTHOUSE_ENV],  # checked before the start
+                replica_id=f"replica_{self.env.replica}", hostname=host or socket.gethostname(),
+                checkpoint_transport=transport, init_sync=False, max_retries=10)
         self.manager.load_state_dict({"step": self.steps_done, "batches_committed": self.steps_done})
+        self._write({"event": "up", "transport": transport.address()})  # where a replacement fetches from
         self.ready()
         self._wait_for_launch()  # heartbeating now: the lighthouse waits for every replica that is
 
