@@ -42,7 +42,7 @@ from torch import nn
 from mlscale.config import TrainConfig
 from mlscale.data import Position
 from mlscale.errors import UsageError
-from mlscale.io import atomic_write_json
+from mlscale.io import atomic_write_json, read_jsonl, repair_jsonl
 from mlscale.train.dist import JOB_START_ENV, bind_host, under_launcher
 from mlscale.train.strategies.ddp import DDPStrategy
 from mlscale.train.strategies.sharded import FSDPStrategy
@@ -198,7 +198,7 @@ def read_replica_logs(run_dir: str | Path) -> dict[tuple[int, int], list[dict[st
     logs: dict[tuple[int, int], list[dict[str, Any]]] = {}
     for path in sorted((Path(run_dir) / "logs").glob("replica*.jsonl")):
         group, _, rank = path.stem.removeprefix("replica").partition("-rank")
-        logs[int(group), int(rank or 0)] = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        logs[int(group), int(rank or 0)] = read_jsonl(path)  # one writer: a torn last line is skipped
     return logs
 
 
@@ -302,6 +302,7 @@ class PerStep:
         self.sent = False
         self.log_path = replica_log_path(self.config.run_dir or ".", self.env.replica, self.env.rank)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        repair_jsonl(self.log_path)  # a line its killed predecessor tore: cut off before this one appends
         self.log_file = self.log_path.open("a", buffering=1)
         self.ready = setup.ready
         self._write({"event": "start", "attempt": self.env.attempt, "pid": os.getpid(), "step": setup.start_step})
