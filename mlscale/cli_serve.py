@@ -20,6 +20,9 @@ _FLAGS = {"--host": str, "--port": int, "--grpc-port": int, "--max-batch-size": 
           "--max-connections": int, "--max-inflight-mb": float, "--store-timeout-ms": float}
 
 
+ONLINE_STORE_ENV = "MLSCALE_ONLINE_STORE"  # --online-store's value when the flag is not given
+
+
 def _field_help(name: str) -> str:
     from mlscale.serve.options import ServeOptions
 
@@ -49,7 +52,10 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("uris", nargs="+", metavar="MODEL_URI")
     for flag, kind in _FLAGS.items():
-        p.add_argument(flag, type=kind, help=_field_help(flag[2:].replace("-", "_")))
+        text = _field_help(flag[2:].replace("-", "_"))
+        if flag == "--online-store":
+            text += f"; default ${ONLINE_STORE_ENV}, which keeps a password off the command line"
+        p.add_argument(flag, type=kind, help=text)
     p.add_argument("--no-grpc", action="store_true", help="serve HTTP only")
     p.add_argument("--precision", choices=["as-trained", "fp16", "bf16"], help=_field_help("precision"))
     p.add_argument("--runtime", choices=["auto", "onnx", "torch"],
@@ -59,10 +65,15 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 def options_from_args(args: argparse.Namespace) -> ServeOptions:
     """The validated options of the parsed flags (a bad value is a one-line UsageError)."""
+    import os
+
     from mlscale.serve.options import serve_options
 
     names = [flag[2:].replace("-", "_") for flag in _FLAGS] + ["runtime", "precision"]
-    options = serve_options(**{name: getattr(args, name) for name in names})
+    values = {name: getattr(args, name) for name in names}
+    # a store URL with a password comes from the environment (a Kubernetes Secret), never the command line
+    values["online_store"] = values["online_store"] or os.environ.get(ONLINE_STORE_ENV) or None
+    options = serve_options(**values)
     if args.no_grpc:
         options = options.model_copy(update={"grpc_port": None})
     return options

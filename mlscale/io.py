@@ -96,6 +96,12 @@ def append_jsonl(path: str | Path, record: Any) -> None:
         handle.write(line)
 
 
+def read_records(path: str | Path) -> list[dict[str, Any]]:
+    """The records (JSON objects) of a file that several processes append to side by side (each rank's
+    faults and failures): any line one of them tore is skipped."""
+    return [record for record in read_jsonl(path, many_writers=True) if isinstance(record, dict)]
+
+
 def read_jsonl(path: str | Path, *, many_writers: bool = False) -> list[Any]:
     """The records of a JSONL file ([] if there is none). A torn last line (no newline, or one that does
     not parse) is skipped: its writer died while writing it. A bad line before the last one is damage

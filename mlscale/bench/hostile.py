@@ -20,6 +20,7 @@ import contextlib
 import http.client
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -209,9 +210,54 @@ async def grpc_unfinished(target: Target, seconds: float, calls: int = 50) -> di
     return {"calls": calls}
 
 
+def _entity_requests(target: Target, seconds: float) -> dict[str, Any]:
+    """Requests to the model served from features (``churn``) for ``seconds``: their statuses and p99."""
+    body = json.dumps({"parameters": {"entities": [{"user_id": 3}]}}).encode()
+    statuses: dict[str, int] = {}
+    latencies = []
+    end = time.monotonic() + seconds
+    connection = None
+    while time.monotonic() < end:
+        start = time.perf_counter()
+        try:
+            connection = connection or http.client.HTTPConnection(target.host, target.port, timeout=30)
+            connection.request("POST", "/v2/models/churn/infer", body, {"content-type": "application/json"})
+            response = connection.getresponse()
+            response.read()
+            code = str(response.status)
+        except (OSError, http.client.HTTPException):
+            code, connection = "error", None
+        latencies.append(time.perf_counter() - start)
+        statuses[code] = statuses.get(code, 0) + 1
+        time.sleep(0.02)
+    return {"feature_requests": statuses, "feature_p99_ms": _ms(np.percentile(latencies, 99)) if latencies else None}
+
+
+async def locked_feature_log(target: Target, seconds: float, log_path: str = "") -> dict[str, Any]:
+    """Another process holds the feature log's write lock while the model served from features is asked."""
+    import sqlite3
+
+    await asyncio.to_thread(_entity_requests, target, 0.5)  # the log exists once a vector was written
+    await asyncio.sleep(0.5)
+    locker = sqlite3.connect(log_path, timeout=5)
+    try:
+        locker.execute("BEGIN EXCLUSIVE")
+        return await asyncio.to_thread(_entity_requests, target, seconds)
+    finally:
+        locker.rollback()
+        locker.close()
+
+
+async def silent_store(target: Target, seconds: float) -> dict[str, Any]:
+    """The online store is a Redis that accepts connections and never answers (the server was started
+    with it): the model served from features is asked meanwhile."""
+    return await asyncio.to_thread(_entity_requests, target, seconds)
+
+
 ATTACKS: dict[str, Callable[..., Awaitable[dict[str, Any]]]] = {
     "slow_headers": slow_headers, "slow_bodies": slow_bodies, "idle_connections": idle_connections,
     "body_flood": body_flood, "big_decodes": big_decodes, "grpc_unfinished": grpc_unfinished,
+    "locked_feature_log": locked_feature_log, "silent_redis": silent_store,
 }
 
 
@@ -306,6 +352,72 @@ def _ms(seconds: float) -> float:
 
 # the server flags of each attack's trial (slow bodies: with an SLO, as the finding had it)
 TRIAL_FLAGS = {"slow_bodies": ["--slo-ms", "50"]}
+STORE_ATTACKS = ("locked_feature_log", "silent_redis")  # served beside a model trained from features
+STORE_REPOSITORY = """\"\"\"The feature repository of `mlscale bench hostile`: users' activity.\"\"\"
+from datetime import timedelta
+
+from mlscale.features import Entity, FeatureRepository, FeatureService, FeatureView, Field, FileSource
+from mlscale.features import declare_repository
+
+user = Entity("user", join_keys=["user_id"])
+activity = FeatureView("activity", [user], [Field("spend"), Field("visits")], FileSource({source!r}),
+                       ttl=timedelta(days=2))
+model = FeatureService("model", [activity])
+declare_repository(FeatureRepository([user], [activity], [model]))
+"""
+
+
+@dataclass
+class Scratch:
+    """What the trials share: the registry (digits, and churn trained from features), the online store."""
+
+    root: Path
+    registry: str
+    online_store: str = ""
+
+    def flags(self, attack: str, silent_port: int | None) -> list[str]:
+        flags = list(TRIAL_FLAGS.get(attack, []))
+        if attack == "locked_feature_log":
+            flags += ["models:/churn/1", "--online-store", self.online_store, "--feature-log",
+                      str(self.root / f"served-{time.monotonic_ns()}.db"), "--runtime", "torch", "--cache-mb", "0"]
+        elif attack == "silent_redis":
+            flags += ["models:/churn/1", "--online-store", f"redis://127.0.0.1:{silent_port}/0", "--runtime", "torch",
+                      "--cache-mb", "0"]
+        return flags
+
+
+def _store_model(scratch: Scratch) -> None:
+    """churn: an MLP trained on a feature service's point-in-time training set, its online store
+    materialized (the module declaring the service is written into the scratch folder)."""
+    from datetime import datetime, timedelta, timezone
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from mlscale import TrainConfig, fit
+    from mlscale.features import load_service
+    from mlscale.features.online import SQLiteStore, materialize
+    from mlscale.registry import Registry, register_run
+
+    now = datetime.now(timezone.utc).replace(tzinfo=None)
+    rng = np.random.default_rng(0)
+    source = scratch.root / "activity.parquet"
+    pq.write_table(pa.Table.from_pylist([
+        {"user_id": u, "event_timestamp": now - timedelta(minutes=int(m)), "spend": float(s), "visits": float(v)}
+        for u in range(50) for m, s, v in zip(rng.integers(10, 1400, 2), rng.gamma(2, 10, 2), rng.integers(0, 5, 2))]),
+        source)
+    pq.write_table(pa.Table.from_pylist([{"user_id": int(u), "event_timestamp": now - timedelta(minutes=int(m)),
+                                          "label": int(u % 2)}
+                                         for u, m in zip(rng.integers(0, 50, 200), rng.integers(0, 600, 200))]),
+                   scratch.root / "entities.parquet")
+    (scratch.root / "mlscale_bench_store.py").write_text(STORE_REPOSITORY.format(source=str(source)))
+    sys.path.insert(0, str(scratch.root))
+    options = {"service": "mlscale_bench_store:model", "entities": str(scratch.root / "entities.parquet")}
+    fit(TrainConfig(task="features", task_options=options, steps=5, run_dir=str(scratch.root / "churn")))
+    register_run(Registry(scratch.registry), scratch.root / "churn", "churn")
+    repository, _ = load_service("mlscale_bench_store:model")
+    scratch.online_store = str(scratch.root / "online.db")
+    materialize(repository, SQLiteStore(scratch.online_store), end_date=now)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -319,17 +431,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "older commit) whose server is attacked the same way, side by side")
 
 
-def _server(src: Path, registry: str, flags: list[str]) -> tuple[subprocess.Popen[str], Target]:
-    import socket
-
+def _server(src: Path, registry: str, flags: list[str], path: str = "") -> tuple[subprocess.Popen[str], Target]:
     ports = []
     for _ in range(2):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             ports.append(s.getsockname()[1])
-    process = subprocess.Popen([sys.executable, "-m", "mlscale", "serve", "models:/digits/1", "--port", str(ports[0]),
+    uris = ["models:/digits/1", *(flag for flag in flags if flag.startswith("models:/"))]
+    flags = [flag for flag in flags if not flag.startswith("models:/")]
+    process = subprocess.Popen([sys.executable, "-m", "mlscale", "serve", *uris, "--port", str(ports[0]),
                                 "--grpc-port", str(ports[1]), "--registry", registry, *flags], cwd=src,
-                               env={**os.environ, "PYTHONPATH": str(src)}, stdout=subprocess.DEVNULL,
+                               env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(src), path)))},
+                               stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL, text=True)
     body = json.dumps({"inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32",
                                    "data": [0.25] * 64}]}).encode()
@@ -365,23 +478,33 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, Any] = {"what": "a normal client's latency and the server's memory under each attack",
                                "how": __doc__, "machine": machine_info(), "seconds": args.seconds,
                                "servers": {label: str(src) for label, src in sources.items()}, "trials": {}}
-    with tempfile.TemporaryDirectory(prefix="mlscale-bench-hostile-") as scratch:
-        location = str(Path(scratch) / "registry")
-        registry = Registry(location)
-        fit(TrainConfig(task="digits", steps=40, run_dir=str(Path(scratch) / "run")))
-        export_version(registry, register_run(registry, Path(scratch) / "run", "digits").uri)
+    with tempfile.TemporaryDirectory(prefix="mlscale-bench-hostile-") as folder:
+        scratch = Scratch(Path(folder), str(Path(folder) / "registry"))
+        registry = Registry(scratch.registry)
+        fit(TrainConfig(task="digits", steps=40, run_dir=str(Path(folder) / "run")))
+        export_version(registry, register_run(registry, Path(folder) / "run", "digits").uri)
+        if set(attacks) & set(STORE_ATTACKS):
+            _store_model(scratch)
+        silent = socket.socket()  # a Redis that accepts and never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(128)
         for attack in attacks:
             for label, src in sources.items():  # each trial on a fresh server: no memory carried over
-                process, target = _server(src, location, TRIAL_FLAGS.get(attack, []))
+                flags = scratch.flags(attack, silent.getsockname()[1])
+                process, target = _server(src, scratch.registry, flags, path=folder)
+                options = {"log_path": flags[flags.index("--feature-log") + 1]} if "--feature-log" in flags else {}
                 try:
-                    trial = measure(target, attack, args.seconds)
+                    trial = measure(target, attack, args.seconds, **options)
                 finally:
                     process.kill()
                     process.wait(10)
                 results["trials"].setdefault(attack, {})[label] = trial
                 print(f"{attack:<17} {label:<9} p99 {trial['client_p99_ms']} ms, errors {trial['client_errors']}"
                       f"/{trial['client_requests']}, RSS {trial['rss_idle_mb']} -> {trial['rss_peak_mb']} MB, "
-                      f"connections held at the end {trial['held_at_end']}", flush=True)
+                      f"connections held at the end {trial['held_at_end']}"
+                      + (f", churn {trial['details']['feature_requests']} p99 {trial['details']['feature_p99_ms']} ms"
+                         if "feature_requests" in trial["details"] else ""), flush=True)
+        silent.close()
     return results
 
 

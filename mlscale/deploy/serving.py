@@ -16,9 +16,10 @@
   the pending requests that ``/metrics`` exports (through a custom metrics adapter, e.g. the
   Prometheus Adapter).
 - The registry location comes from a Secret (``url``, and ``artifacts`` where the artifacts are not
-  beside a file registry): a database password never appears in a manifest. So does an online store
-  with credentials (``--online-store-secret``: key ``url``, passed to ``mlscale serve --online-store``
-  as ``$(MLSCALE_ONLINE_STORE)``, which the kubelet expands from the Secret-backed variable); a flag
+  beside a file registry): a database password never appears in a manifest. The same holds for an online
+  store with credentials (``--online-store-secret``: key ``url``, in the Secret-backed variable
+  ``MLSCALE_ONLINE_STORE`` that ``mlscale serve`` reads when ``--online-store`` is not given, so it is
+  in neither the manifest nor the server's command line); a flag
   after ``--`` whose value is a URL with credentials is refused, never written into the Deployment.
 """
 
@@ -154,23 +155,35 @@ def serve_command(spec: ServingDeployment) -> list[str]:
     command = ["mlscale", "serve", spec.model_uri, "--host", "0.0.0.0", "--port", str(HTTP_PORT),
                "--drain-delay-s", f"{spec.drain_delay_s:g}", "--exec-timeout-s", f"{spec.exec_timeout_s:g}"]
     command += ["--grpc-port", str(GRPC_PORT)] if spec.grpc else ["--no-grpc"]
-    if spec.online_store_secret:  # expanded by the kubelet from the Secret-backed variable, not written here
-        command += ["--online-store", f"$({ONLINE_STORE_ENV})"]
     given = {arg.split("=", 1)[0] for arg in spec.serve_args}
-    for flag, value in client_limits(spec.memory).items():
+    for flag, value in client_limits(spec.memory, _given_max_body_mb(spec.serve_args)).items():
         if flag not in given:
             command += [flag, value]
     return command + list(spec.serve_args)
 
 
-def client_limits(memory: str | None) -> dict[str, str]:
+def _given_max_body_mb(serve_args: tuple[str, ...]) -> float:
+    """``--max-body-mb`` among the flags after --, else the server's default (8)."""
+    for index, arg in enumerate(serve_args):
+        flag, _, value = arg.partition("=")
+        if flag == "--max-body-mb":
+            value = value or (serve_args[index + 1] if index + 1 < len(serve_args) else "")
+            try:
+                return float(value)
+            except ValueError:
+                break  # the flags after -- are checked as mlscale serve checks them, elsewhere
+    return 8.0
+
+
+def client_limits(memory: str | None, max_body_mb: float = 8.0) -> dict[str, str]:
     """What clients may hold, in line with the pod's memory limit, so that no number of slow or flooding
-    clients can get it OOM-killed: a sixteenth of the limit for request bodies held at once, and another
-    for connections (each may buffer 64 KiB before the server stops reading it)."""
+    clients can get it OOM-killed: a sixteenth of the limit for request bodies held at once (never less
+    than one body of the largest size), and another for connections (each may buffer 64 KiB before the
+    server stops reading it)."""
     if memory is None:
         return {}
     budget = quantity_bytes(memory) / 16
-    body_mb = max(8.0, budget / 2**20)  # never below the largest body (--max-body-mb 8)
+    body_mb = max(max_body_mb, budget / 2**20)
     connections = int(min(4096, max(64, budget // 2**16)))
     return {"--max-inflight-mb": f"{body_mb:g}", "--max-connections": str(connections)}
 

@@ -65,8 +65,10 @@ class SQLiteStore:
             found = dict(((k, (t, v)) for k, t, v in self.connection.execute(
                 f"SELECT key, event_us, value FROM {self._table(view)} WHERE key IN "
                 f"({','.join('?' * len(names))})", names)))
-        except sqlite3.OperationalError:  # nothing materialized for this view
-            return [None] * len(keys)
+        except sqlite3.OperationalError as exc:
+            if "no such table" in str(exc):  # nothing materialized for this view
+                return [None] * len(keys)
+            raise  # locked past the timeout, unreadable: the store failed, the entities are not unknown
         return [(found[n][0], orjson.loads(found[n][1])) if n in found else None for n in names]
 
 

@@ -29,7 +29,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import ArgumentError, IntegrityError, OperationalError, ProgrammingError, SQLAlchemyError
 
 from mlscale.errors import MlscaleError, UsageError, first_line
-from mlscale.redact import redact_text, redact_url
+from mlscale.redact import ambiguous_userinfo, redact_text, redact_url
 from mlscale.registry import schema
 from mlscale.registry.artifacts import (
     OWNER_MARK,
@@ -170,9 +170,8 @@ def check_database_url(url: str) -> None:
     shown = redact_url(url)
     how = ("percent-encode the user and password (python3 -c 'import urllib.parse, getpass; "
            "print(urllib.parse.quote(getpass.getpass(), safe=\"\"))')")
-    credentials = url.partition("://")[2].rpartition("@")[0]
-    if "@" in credentials:
-        raise UsageError(f"bad value registry={shown!r}: an '@' in the credentials; {how}")
+    if ambiguous_userinfo(url):
+        raise UsageError(f"bad value registry={shown!r}: an '@' (or '/', '?', '#') in the credentials; {how}")
     try:
         parsed = make_url(url)
     except (ArgumentError, ValueError):

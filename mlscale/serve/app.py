@@ -142,17 +142,21 @@ async def request_body(state: ServerState, scope: dict[str, Any], receive: Any) 
     and with 408 when it has not all arrived ``--read-timeout-s`` after the headers. Nothing else (no
     admission slot, no queue place) is taken before it has arrived."""
     limit, bodies = state.max_body_bytes, state.bodies
-    declared = _content_length(scope)
+    length = _header(scope, b"content-length")
+    declared = int(length) if length is not None and length.isdigit() else None
     if declared is not None and declared > limit:
         raise HTTPError(413, f"request body of {declared} bytes is over the {limit}-byte limit", _CLOSE)
     held = 0
 
+    def refuse() -> HTTPError:
+        state.metrics.refused["body_budget"].inc()
+        return HTTPError(503, f"the server holds {bodies.held} bytes of request bodies, its limit "
+                         "(--max-inflight-mb); retry later", {"Retry-After": "1", **_CLOSE})
+
     def hold(size: int) -> None:
         nonlocal held
         if not bodies.take(size):
-            state.metrics.refused["body_budget"].inc()
-            raise HTTPError(503, f"the server holds {bodies.held} bytes of request bodies, its limit "
-                            "(--max-inflight-mb); retry later", {"Retry-After": "1", **_CLOSE})
+            raise refuse()
         held += size
 
     async def read() -> bytes:
@@ -172,8 +176,8 @@ async def request_body(state: ServerState, scope: dict[str, Any], receive: Any) 
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     try:
-        if declared:
-            hold(declared)  # refused before a byte is read when the budget has no room for it
+        if declared and declared > bodies.room:  # refused before a byte is read; reserved only as bytes
+            raise refuse()  # arrive, so that declaring a size and sending nothing holds nothing
         try:
             body = await _within(read(), state.read_timeout_s)
         except asyncio.TimeoutError:  # the builtin TimeoutError from 3.11 on
@@ -192,13 +196,6 @@ async def _within(work: Awaitable[T], seconds: float) -> T:
         async with asyncio.timeout(seconds):
             return await work
     return await asyncio.wait_for(work, seconds)
-
-
-def _content_length(scope: dict[str, Any]) -> int | None:
-    for name, value in scope["headers"]:
-        if name == b"content-length":
-            return int(value) if value.isdigit() else None
-    return None
 
 
 def _decode(body: bytes) -> Any:
@@ -524,7 +521,7 @@ def build_app(state: ServerState) -> InferenceFrontend:
             task.cancel()
         for slot in state.slots:
             if slot.current is not None:
-                await slot.current.batcher.close()
+                await slot.current.close()
 
     model = "/v2/models/{name}"
     version = "/v2/models/{name}/versions/{version}"

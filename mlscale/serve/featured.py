@@ -69,6 +69,9 @@ class StoreCalls:
         with self._lock:
             self._busy -= 1
 
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
 
 def _store_failure(exc: BaseException) -> bool:
     """An error of the store itself: SQLite's (a locked or unreadable file), Redis's, or the network's."""
@@ -86,8 +89,9 @@ class FeatureLogWriter:
                  busy_timeout_s: float = 1.0) -> None:
         """``busy_timeout_s``: how long one write waits for a lock another process holds on the log."""
         self.location, self.on_failure, self.busy_timeout_s = location, on_failure, busy_timeout_s
-        self._queue: queue.Queue[tuple[str, int, float, dict[str, list[Any]]]] = queue.Queue(capacity)
-        threading.Thread(target=self._write, name="feature-log", daemon=True).start()
+        self._queue: queue.Queue[tuple[str, int, float, dict[str, list[Any]]] | None] = queue.Queue(capacity)
+        self._thread = threading.Thread(target=self._write, name="feature-log", daemon=True)
+        self._thread.start()
 
     def append(self, model: str, version: int, at: float, columns: dict[str, list[Any]]) -> None:
         try:
@@ -95,12 +99,20 @@ class FeatureLogWriter:
         except queue.Full:
             self.on_failure()
 
+    def close(self) -> None:
+        """Write what is queued, then stop the thread (a version replaced by a hot reload)."""
+        self._queue.put(None)  # blocks only while the queue is full: the writer is draining it
+
     def _write(self) -> None:
         from mlscale.features.skew import FeatureLog
 
         feature_log = None
         while True:
             entry = self._queue.get()
+            if entry is None:
+                if feature_log is not None:
+                    feature_log.connection.close()
+                return
             try:
                 if feature_log is None:  # opened here: sqlite's connection belongs to this thread
                     feature_log = FeatureLog(self.location)
@@ -134,6 +146,11 @@ class FeatureInputs:
         self.encoding = recorded.get("encoding") or {}  # the categories each categorical feature had
         self.skew = FeatureSkew(recorded.get("statistics") or {})  # /metrics, against the training statistics
         self.log = FeatureLogWriter(log_location, on_log_failure) if log_location else None
+
+    def close(self) -> None:
+        self.calls.close()
+        if self.log is not None:
+            self.log.close()
 
     async def vectors(self, entity_rows: list[dict[str, Any]]) -> np.ndarray:
         """The model's input for these entities: the store is read off the event loop, under the store

@@ -106,7 +106,15 @@ class InferenceService:
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
         served = self._served(request.model_name, request.model_version)
-        return await admitted(self.state, served, lambda start: self._infer(request, served, start))
+        size, bodies = request.ByteSize(), self.state.bodies
+        if not bodies.take(size):  # the same budget as HTTP bodies: a message is held until it is answered
+            self.state.metrics.refused["body_budget"].inc()
+            raise HTTPError(503, f"the server holds {bodies.held} bytes of requests, its limit (--max-inflight-mb); "
+                            "retry later")
+        try:
+            return await admitted(self.state, served, lambda start: self._infer(request, served, start))
+        finally:
+            bodies.give(size)
 
     async def _infer(self, request: pb.ModelInferRequest, served: ServedModel, start: float) -> pb.ModelInferResponse:
         with bad_request_is_400(served):

@@ -124,7 +124,7 @@ class ServerMetrics:
         self.models: dict[tuple[str, str], ModelStats] = {}
         self.cache = cache  # read at scrape time: the bytes it really holds, never a stale copy
         # requests refused before any model was chosen: a body too slow to arrive, or past the body budget
-        self.refused = {"read_timeout": Counter(), "body_budget": Counter()}
+        self.refused = {"read_timeout": Counter(), "body_budget": Counter(), "connections": Counter()}
         self.body_bytes: Any = None  # the server's BodyBudget: request-body bytes held now
         self.registry = CollectorRegistry()
         self.registry.register(self)  # type: ignore[arg-type]  # a collector is anything with collect()
@@ -168,7 +168,8 @@ class ServerMetrics:
                 skew.add_metric([*stats.labels, row["feature"]], row["distance"])
         yield skew
         refused = CounterMetricFamily("mlscale_http_request_refused", "HTTP requests refused before their body "
-                                      "was read whole (read_timeout: 408; body_budget: 503)", labels=["reason"])
+                                      "was read whole (read_timeout: 408; body_budget: 503) and connections "
+                                      "refused past --max-connections (connections: 503)", labels=["reason"])
         for reason, counter in self.refused.items():
             refused.add_metric([reason], counter.value)
         yield refused

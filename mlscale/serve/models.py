@@ -73,6 +73,13 @@ class ServedModel:
 
         return await self.features.vectors(entity_rows(entities))
 
+    async def close(self) -> None:
+        """Drain what this version has queued, then let its threads go (the store's, the feature log's)."""
+        await self.batcher.close()
+        if self.features is not None:
+            await asyncio.to_thread(self.features.close)
+        self.stats.loaded.set(0)
+
     def warm_up(self) -> None:
         shape = [1 if d == -1 else d for d in self.input.shape]
         self.runtime.run(np.zeros(shape, dtype=self.input.dtype))
@@ -120,8 +127,7 @@ class ModelSlot:
         self.current = served  # the swap: one assignment, new requests see the new version from here on
         if old is not None:
             log.warning("%s moved: now serving version %s", self.uri, served.number)
-            await old.batcher.close()  # drain what the old version had queued
-            old.stats.loaded.set(0)
+            await old.close()  # drain what the old version had queued
         return True
 
     async def follow(self) -> None:

@@ -53,9 +53,9 @@ def _count(data: list[Any]) -> int:
 
 
 def check_integers(array: np.ndarray, spec: TensorSpec) -> np.ndarray:
-    """Integer values within what the input may take: the datatype's range and, where the model
-    declares one, its own (an embedding's ids). Checked before batching, so a bad id is the client's
-    400, never a failed model call that its batch-mates pay for."""
+    """Integer values within the range the model declares for the input, if it declares one (an
+    embedding's ids; the datatype's own range is checked on decoding). Checked before batching, so a
+    bad id is the client's 400, never a failed model call that its batch-mates pay for."""
     if array.size and spec.value_range is not None:
         low, high = spec.value_range
         smallest, largest = int(array.min()), int(array.max())
@@ -71,7 +71,8 @@ def _integral(array: np.ndarray, spec: TensorSpec) -> np.ndarray:
     if array.dtype.kind == "f":
         if array.size and not (np.isfinite(array).all() and (array == np.floor(array)).all()):
             raise BadRequest(f"input '{spec.name}' ({spec.datatype}) holds values that are not whole numbers")
-        if array.size and (array.min() < info.min or array.max() > info.max):
+        above = 2.0 ** (info.bits - (info.min < 0))  # exact in float64, unlike info.max (rounds up to it)
+        if array.size and (array.min() < info.min or array.max() >= above):
             raise BadRequest(f"input '{spec.name}' holds values outside the range of {spec.datatype}")
     elif array.size and (int(array.min()) < info.min or int(array.max()) > info.max):
         raise BadRequest(f"input '{spec.name}' holds values outside the range of {spec.datatype}")
@@ -124,10 +125,16 @@ def check_shape(spec: TensorSpec, shape: Any) -> list[int]:
 def check_json_cost(body: bytes, spec: TensorSpec) -> None:
     """Refuse, before decoding, a JSON body that holds far more numbers or lists than any request for
     this input can: decoding builds a Python object per value while holding the interpreter (a thread
-    does not help), and 8 MB of ``[0],[0],...`` takes seconds. Counting bytes costs milliseconds."""
-    row = math.prod(d for d in spec.shape[1:] if d > 0)
-    most_values = MAX_ROWS * max(row, 64) + 1024  # + room for the other fields (entities, ids, outputs)
-    if body.count(b",") > most_values or body.count(b"[") > most_values // max(spec.shape[-1], 1) + 1024:
+    does not help), and 8 MB of ``[0],[0],...`` takes seconds. Counting bytes costs milliseconds. An
+    input with a dynamic dimension past the batch has no such bound: only the body size limits it."""
+    dims = spec.shape[1:]
+    if any(d < 0 for d in dims):
+        return
+    values = MAX_ROWS * math.prod(dims)  # commas: one fewer than the values, nested or flat
+    # lists: a row nested as the shape is 1 + d1 + d1*d2 + ... lists (all but the innermost level)
+    lists = MAX_ROWS * sum(math.prod(dims[:k]) for k in range(len(dims)))
+    slack = 1024  # the other fields: shape, outputs, parameters, entities, ids
+    if body.count(b",") > values + slack or body.count(b"[") > lists + slack:
         raise BadRequest(f"the request holds more values or lists than input '{spec.name}' of shape "
                          f"{list(spec.shape)} takes (at most {MAX_ROWS} rows)")
 

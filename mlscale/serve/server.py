@@ -109,11 +109,14 @@ def serve(uris: list[str], *, options: ServeOptions | None = None, registry_loca
     logging.basicConfig(level=logging.WARNING, format="mlscale serve: %(message)s")
     # No proxy-header rewriting (nothing here reads the client address) and no Server/Date headers:
     # per-request work the hot path does not need. What a client may hold is bounded: connections
-    # (limit_concurrency: past it, 503), the time to send headers (HeaderDeadline) and an idle keep-alive.
+    # (past --max-connections, 503), the time to send headers or a body (HeaderDeadline) and an idle
+    # keep-alive.
+    protocol = protocol_with(options.header_timeout_s, options.read_timeout_s, options.connection_limit,
+                             state.metrics.refused["connections"].inc)
     config = uvicorn.Config(build_app(state), host=options.host, port=options.port, log_level=log_level,
                             access_log=False, timeout_graceful_shutdown=30, lifespan="on", proxy_headers=False,
-                            server_header=False, date_header=False, http=protocol_with(options.header_timeout_s),
-                            limit_concurrency=options.connection_limit, timeout_keep_alive=options.keep_alive_s)
+                            server_header=False, date_header=False, http=protocol,
+                            timeout_keep_alive=options.keep_alive_s)
     grpc_note = f", gRPC on {state.grpc_address}" if state.grpc_address else ""
     print(f"mlscale serve: {', '.join(uris)} on http://{options.host}:{options.port} (Open Inference Protocol "
           f"v2, /predict, /metrics{grpc_note})", file=sys.stderr, flush=True)

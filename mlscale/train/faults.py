@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from mlscale.errors import UsageError
-from mlscale.io import atomic_write_json, read_jsonl
+from mlscale.io import atomic_write_json, read_records
 
 _OPTIONAL = {"p", "rejoin_by"}
 ANY_RANK = -1  # rank=any
@@ -185,7 +185,7 @@ class FaultInjector:
 
     def _replaced(self, fault: Fault) -> bool:
         assert self.log_path is not None
-        fired = [record["time"] for record in _records(self.log_path)
+        fired = [record["time"] for record in read_records(self.log_path)
                  if (record.get("kind"), record.get("rank"), record.get("step")) == (fault.kind, fault.rank, fault.step)
                  and record.get("time", 0) >= self.started]
         if not fired:
@@ -219,6 +219,4 @@ def rejoined_path(logs: Path, rank: int) -> Path:
     return logs / "rejoined" / f"rank{rank}.json"
 
 
-def _records(path: Path) -> list[dict[str, object]]:
-    """The faults fired so far (``logs/faults.jsonl``); a line torn by a process killed mid-write is skipped."""
-    return [record for record in read_jsonl(path, many_writers=True) if isinstance(record, dict)]
+

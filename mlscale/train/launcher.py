@@ -220,6 +220,7 @@ def _launch_local(config: TrainConfig, run_dir: RunDir, world: int) -> None:
         run_id=f"mlscale-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", rdzv_configs={"timeout": 120},
         max_restarts=config.max_restarts, monitor_interval=0.1, start_method="spawn",
+        local_addr=LOCAL_HOST,  # what the workers are told to connect to: the stores listen there only
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir.logs / "elastic")),
     )
     try:

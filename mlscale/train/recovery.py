@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from mlscale.errors import first_line
-from mlscale.io import append_jsonl, read_jsonl
+from mlscale.io import append_jsonl, read_jsonl, read_records
 from mlscale.rundir import RunDir
 
 _RECORD = struct.Struct("<qd")  # completed steps, unix time
@@ -51,13 +51,8 @@ def last_beats(directory: Path, attempt: int) -> list[tuple[int, float]]:
     return beats
 
 
-def _records(path: Path) -> list[dict[str, Any]]:
-    """The records of a file every rank appends to (faults, failures): a line torn by any is skipped."""
-    return [record for record in read_jsonl(path, many_writers=True) if isinstance(record, dict)]
-
-
 def fault_times(log_path: Path) -> list[float]:
-    return [record["time"] for record in _records(log_path)]
+    return [record["time"] for record in read_records(log_path)]
 
 
 def launch_id() -> str:
@@ -93,12 +88,12 @@ def describe_failure(logs: Path, attempt: int, beats: list[tuple[int, float]]) -
     stopped first without an error of its own (killed by a signal, or hung)."""
     this_launch = launch_id()
     if attempt == 0:  # injected faults fire on a launch's first attempt only
-        faults = [r for r in _records(logs / "faults.jsonl") if r.get("run_id") == this_launch]
+        faults = [r for r in read_records(logs / "faults.jsonl") if r.get("run_id") == this_launch]
         for fault in sorted(faults, key=lambda r: r["time"]):
             at = f" at step {fault['step']}" if fault.get("step") else ""
             how = _FAULT_WORDS.get(fault["kind"], fault["kind"] + "{at}").format(at=at)
             return f"worker rank {fault.get('rank', 0)} {how}"
-    errors = sorted((r for r in _records(failures_path(logs)) if r.get("run_id") == this_launch
+    errors = sorted((r for r in read_records(failures_path(logs)) if r.get("run_id") == this_launch
                      and r["attempt"] == attempt), key=lambda r: r["time"])
     own = [r for r in errors if not KNOCK_ON.search(r["error"])]
     if own:

@@ -88,7 +88,10 @@ def gpus_per_group(config: TrainConfig) -> list[list[str]] | None:
 def agent_command(config: TrainConfig, run_dir: RunDir) -> list[str]:
     """One replica group's torchrun (``local_agent``: its stores on loopback): its own rendezvous
     (``--standalone``), ``--group-size`` workers, its own restarts."""
+    # --local-addr: the address the workers are told for the group's store, which listens on it only (the
+    # host's name would resolve to another address on many machines: Docker, Debian's 127.0.1.1, a VM's IP)
     return [sys.executable, "-m", "mlscale.train.local_agent", "--standalone", "--nnodes=1",
+            f"--local-addr={LOCAL_HOST}",
             f"--nproc-per-node={config.group_size}",
             f"--max-restarts={config.max_restarts}", "--monitor-interval=0.1",
             "-m", "mlscale.train", str(run_dir.path)]

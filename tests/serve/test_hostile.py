@@ -5,6 +5,7 @@ memory stays bounded, and the server answers at once when the attack stops."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import sqlite3
@@ -105,6 +106,58 @@ def test_a_body_over_the_limit_or_past_the_budget_is_refused_and_the_connection_
         answer = sock.recv(4096)
         assert answer.startswith(b"HTTP/1.1 413") and b"connection: close" in answer.lower()
     assert httpx.get(f"{base}/v2/health/live").status_code == 200
+
+
+def test_a_body_nobody_reads_is_cut_off_a_second_after_the_read_deadline(server):
+    target, _ = server
+    with socket.create_connection(("127.0.0.1", target.port)) as sock:
+        sock.sendall(b"POST /v2/models/nope/infer HTTP/1.1\r\nhost: x\r\ncontent-length: 1000000\r\n\r\n{")
+        assert sock.recv(4096).startswith(b"HTTP/1.1 404")  # answered before its body arrived
+        start, closed = time.monotonic(), False
+        sock.settimeout(0.3)
+        while time.monotonic() - start < 5 and not closed:  # the client trickles the rest of the body
+            try:
+                sock.sendall(b"0")
+                closed = sock.recv(1) == b""
+            except TimeoutError:
+                continue
+            except OSError:
+                closed = True
+        assert closed and time.monotonic() - start < 3  # --read-timeout-s 1, + 1 s
+
+
+def test_declaring_large_bodies_and_sending_nothing_holds_no_budget(server):
+    target, base = server
+    sockets = [socket.create_connection(("127.0.0.1", target.port)) for _ in range(6)]
+    try:
+        for sock in sockets:  # 6 x 8 MB declared, past --max-inflight-mb 32, and not a byte of it sent
+            sock.sendall(b"POST /v2/models/digits/infer HTTP/1.1\r\nhost: x\r\ncontent-length: 8000000\r\n\r\n")
+        time.sleep(0.2)
+        assert httpx.post(f"{base}/v2/models/digits/infer", json=infer_body([[0.5] * 64] * 2000)).status_code == 200
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def test_past_max_connections_a_new_connection_gets_503_and_the_open_ones_are_served(serve_registry):
+    with running_server(serve_registry, "models:/digits/1", "--max-connections", "20", "--no-grpc") as (base, _):
+        with httpx.Client(base_url=base) as client:  # a keep-alive connection opened before the crowd
+            assert client.post("/v2/models/digits/infer", json=infer_body([[0.5] * 64])).status_code == 200
+            crowd = [socket.create_connection(("127.0.0.1", int(base.rsplit(":", 1)[1]))) for _ in range(30)]
+            try:
+                refused = 0
+                for sock in crowd:
+                    sock.settimeout(0.5)
+                    with contextlib.suppress(TimeoutError):  # a timeout: admitted, waiting for its headers
+                        refused += sock.recv(4096).startswith(b"HTTP/1.1 503")
+                assert refused == 11  # 20 connections at most: the probe's and 19 of the crowd's
+                assert client.post("/v2/models/digits/infer", json=infer_body([[0.5] * 64])).status_code == 200
+            finally:
+                for sock in crowd:
+                    sock.close()
+        time.sleep(0.2)
+        assert httpx.get(f"{base}/v2/health/live").status_code == 200  # room again once they left
+        assert metric(base, "mlscale_http_request_refused_total", reason="connections") == 11
 
 
 # -- integer inputs --------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ from mlscale.serve import ServeOptions
 @pytest.mark.parametrize(("field", "value"), [
     ("max_batch_size", 0), ("queue_limit", 0), ("threads", 0), ("port", 70000), ("slo_ms", 0),
     ("max_delay_ms", -1), ("cache_mb", -1), ("timeout_ms", 0), ("drain_delay_s", -1), ("exec_timeout_s", 0),
-    ("runtime", "tensorrt"), ("reload_interval_s", 0),
+    ("runtime", "tensorrt"), ("reload_interval_s", 0), ("read_timeout_s", 0), ("header_timeout_s", 0),
+    ("keep_alive_s", 0), ("max_connections", 0), ("max_inflight_mb", 0), ("store_timeout_ms", 0),
 ])
 def test_a_bad_value_is_refused_by_the_python_api_and_by_the_cli_with_one_line(field, value, capsys):
     with pytest.raises(ValidationError):
@@ -31,3 +32,19 @@ def test_options_are_immutable_and_unknown_ones_are_refused():
         options.max_batch_size = 0
     with pytest.raises(ValidationError):
         ServeOptions(max_batchsize=8)
+
+
+def test_max_inflight_below_one_largest_body_is_refused():
+    with pytest.raises(ValidationError, match="below max-body-mb"):
+        ServeOptions(max_inflight_mb=4, max_body_mb=8)
+
+
+def test_the_online_store_comes_from_the_environment_when_no_flag_gives_it(monkeypatch):
+    from mlscale.cli import build_parser
+    from mlscale.cli_serve import options_from_args
+
+    monkeypatch.setenv("MLSCALE_ONLINE_STORE", "redis://:hunter2@store.example:6379/0")
+    args = build_parser().parse_args(["serve", "models:/m/1"])
+    assert options_from_args(args).online_store == "redis://:hunter2@store.example:6379/0"
+    args = build_parser().parse_args(["serve", "models:/m/1", "--online-store", "/data/online.db"])
+    assert options_from_args(args).online_store == "/data/online.db"  # the flag wins
