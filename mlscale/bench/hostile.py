@@ -65,8 +65,10 @@ async def _closed_by_server(reader: asyncio.StreamReader, seconds: float) -> tup
             return True, b""
         rest = await asyncio.wait_for(reader.read(), seconds)
         return True, first + rest
-    except (asyncio.TimeoutError, OSError):
+    except asyncio.TimeoutError:
         return False, b""
+    except OSError:  # reset by the server (it closed with unread bytes of ours in its buffer)
+        return True, b""
 
 
 def _close_all(writers: list[asyncio.StreamWriter]) -> None:
