@@ -524,7 +524,14 @@ def plot(results: dict[str, Any], path: Path) -> None:
                            (axes[2], "held_at_end", "attack's connections the server still held at its end")):
         for i, label in enumerate(labels):
             values = [trials[a][label].get(key) or 0 for a in attacks]
-            ax.bar([x + i * width for x in range(len(attacks))], values, width, label=label)
+            places = [x + i * width for x in range(len(attacks))]
+            ax.bar(places, values, width, label=label)
+            if key == "client_p99_ms":  # requests the normal client had refused or failed: not in a p99
+                for place, value, attack in zip(places, values, attacks):
+                    failed = trials[attack][label]["client_errors"]
+                    if failed:
+                        ax.text(place, value, f"{failed} failed", ha="center", va="bottom", fontsize=8,
+                                rotation=90)
         ax.set_xticks([x + width * (len(labels) - 1) / 2 for x in range(len(attacks))], attacks, rotation=20)
         ax.set_title(title)
         ax.legend()
