@@ -308,10 +308,11 @@ class Registry:
         file system (macOS, Windows) both would have one artifact folder, and registering one would
         replace the other's files. (A registry from before this check may hold both: it goes on working.)"""
         table = schema.models
-        if conn.execute(select(table.c.name).where(table.c.name == name)).scalar() is not None:
-            return
-        other = conn.execute(select(table.c.name).where(func.lower(table.c.name) == name.lower())).scalar()
-        if other is not None:
+        # one statement, one snapshot: two queries would let a concurrent registration of this very name
+        # commit between them, and the name would then look like its own case variant
+        names = conn.execute(select(table.c.name).where(func.lower(table.c.name) == name.lower())).scalars().all()
+        other = next((found for found in names if found != name), None)
+        if other is not None and name not in names:
             raise UsageError(f"bad value name={name!r}: model {other!r} exists, and names that differ only by case "
                              f"would share its artifact folder on a case-insensitive file system; use {other!r}")
 
