@@ -149,9 +149,7 @@ async def request_body(state: ServerState, scope: dict[str, Any], receive: Any) 
     held = 0
 
     def refuse() -> HTTPError:
-        state.metrics.refused["body_budget"].inc()
-        return HTTPError(503, f"the server holds {bodies.held} bytes of request bodies, its limit "
-                         "(--max-inflight-mb); retry later", {"Retry-After": "1", **_CLOSE})
+        return body_budget_full(state, _CLOSE)
 
     def hold(size: int) -> None:
         nonlocal held
@@ -252,6 +250,14 @@ def bad_request_is_400(served: ServedModel) -> Iterator[None]:
     except BadRequest as exc:
         served.stats.failure("bad_request")
         raise HTTPError(400, str(exc)) from None
+
+
+def body_budget_full(state: ServerState, headers: dict[str, str] | None = None) -> HTTPError:
+    """The 503 of a request (HTTP body or gRPC message) that would take the server's request bytes past
+    ``--max-inflight-mb``; counted."""
+    state.metrics.refused["body_budget"].inc()
+    return HTTPError(503, f"the server holds {state.bodies.held} bytes of requests, its limit (--max-inflight-mb); "
+                     "retry later", {"Retry-After": "1", **(headers or {})})
 
 
 def refuse_if_overloaded(served: ServedModel) -> None:

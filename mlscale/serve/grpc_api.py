@@ -20,7 +20,15 @@ from google.protobuf import json_format
 
 from mlscale.errors import MlscaleError
 from mlscale.serve import describe
-from mlscale.serve.app import HTTPError, ServerState, admitted, bad_request_is_400, internal_error, run_inference
+from mlscale.serve.app import (
+    HTTPError,
+    ServerState,
+    admitted,
+    bad_request_is_400,
+    body_budget_full,
+    internal_error,
+    run_inference,
+)
 from mlscale.serve.models import ServedModel
 from mlscale.serve.proto import inference_pb2 as pb
 from mlscale.serve.protocol import (
@@ -108,9 +116,7 @@ class InferenceService:
         served = self._served(request.model_name, request.model_version)
         size, bodies = request.ByteSize(), self.state.bodies
         if not bodies.take(size):  # the same budget as HTTP bodies: a message is held until it is answered
-            self.state.metrics.refused["body_budget"].inc()
-            raise HTTPError(503, f"the server holds {bodies.held} bytes of requests, its limit (--max-inflight-mb); "
-                            "retry later")
+            raise body_budget_full(self.state)
         try:
             return await admitted(self.state, served, lambda start: self._infer(request, served, start))
         finally:
