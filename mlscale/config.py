@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from mlscale.errors import UsageError
+from mlscale.errors import UsageError, describe_validation_error
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -150,18 +150,9 @@ class TrainConfig(BaseModel):
 _CLI_NAMES = {"task_options": "task-opt", "faults": "fault", "collective_timeout_s": "collective-timeout"}
 
 
-def describe_error(error: ValidationError, cli_names: dict[str, str] | None = None) -> str:
-    """One line: the first bad key, its value and why, in the user's words (CLI spelling)."""
-    first = error.errors()[0]
-    loc = ".".join(str(part) for part in first["loc"])
-    names = _CLI_NAMES if cli_names is None else cli_names
-    key = names.get(loc, loc.replace("_", "-")) if loc else ""
-    if first["type"] == "extra_forbidden":
-        return f"unknown configuration key '{loc}'"
-    message = first["msg"].removeprefix("Value error, ")
-    if not key:
-        return f"bad configuration: {message}"
-    return f"bad value {key}={first.get('input')!r}: {message}"
+def describe_error(error: ValidationError) -> str:
+    """One line for a bad configuration, in the flags' spelling."""
+    return describe_validation_error(error, _CLI_NAMES)
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:

@@ -7,6 +7,8 @@ that we can still explain in one paragraph instead of a traceback.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 def first_line(error: object) -> str:
     """The first line of an error's text: drivers and libraries explain on several lines, and a
@@ -32,3 +34,19 @@ class WorkerFailed(MlscaleError):
     def __init__(self, message: str, rank: int | None = None) -> None:
         super().__init__(message)
         self.rank = rank
+
+
+def describe_validation_error(error: Any, cli_names: dict[str, str] | None = None) -> str:
+    """One line for a pydantic ``ValidationError``: the first bad key, its value and why, in the
+    user's words (the flag's spelling: ``cli_names`` maps a field to its flag where they differ).
+    Shared by every options model (training and serving), so both speak alike."""
+    first = error.errors()[0]
+    loc = ".".join(str(part) for part in first["loc"])
+    names = cli_names or {}
+    key = names.get(loc, loc.replace("_", "-")) if loc else ""
+    if first["type"] == "extra_forbidden":
+        return f"unknown configuration key '{loc}'"
+    message = first["msg"].removeprefix("Value error, ")
+    if not key:
+        return f"bad configuration: {message}"
+    return f"bad value {key}={first.get('input')!r}: {message}"

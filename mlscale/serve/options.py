@@ -91,9 +91,9 @@ class ServeOptions(BaseModel):
 def serve_options(**values: Any) -> ServeOptions:
     """``ServeOptions`` from keyword values (``None`` means the default); a bad value is a one-line
     ``UsageError`` naming it in the CLI's spelling."""
-    from mlscale.config import describe_error
+    from mlscale.errors import describe_validation_error
 
     try:
         return ServeOptions(**{key: value for key, value in values.items() if value is not None})
     except ValidationError as exc:
-        raise UsageError(describe_error(exc, {})) from None
+        raise UsageError(describe_validation_error(exc)) from None
