@@ -464,17 +464,6 @@ class Registry:
             conn.execute(insert(table).values(name=name, version=version or 0, key=key, value=value))
             self._audit(conn, name, version, f"tag:{key}", None, value)
 
-    def set_description(self, name: str, version: int | None, text: str) -> None:
-        with self._tx() as conn:
-            if version:
-                self._stage_of(conn, name, version)
-                table = schema.versions
-                conn.execute(update(table).where((table.c.name == name) & (table.c.version == version))
-                             .values(description=text))
-            else:
-                conn.execute(update(schema.models).where(schema.models.c.name == name).values(description=text))
-            self._audit(conn, name, version, "description", None, text)
-
     def _audit(self, conn: Connection, name: str, version: int | None, action: str, old: str | None,
                new: str | None) -> None:
         conn.execute(insert(schema.audit_log).values(name=name, version=version, action=action, from_value=old,

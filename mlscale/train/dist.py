@@ -251,14 +251,6 @@ def broadcast_int(env: DistEnv, value: int) -> int:
     return int(tensor.item())
 
 
-def all_gather_objects(env: DistEnv, obj: object) -> list[object]:
-    if not env.distributed:
-        return [obj]
-    out: list[object] = [None] * env.world_size
-    dist.all_gather_object(out, obj)
-    return out
-
-
 def all_gather_rows(env: DistEnv, rows: list[list[float]]) -> list[list[float]]:
     """Every rank's rows of floats, in rank order, where ranks may have different numbers of rows
     (some none); each rank's rows come back as long as its longest one (shorter ones NaN-padded)."""
