@@ -1,7 +1,7 @@
 """Starting a training job: in this process, under an external torchrun, or as N local workers
 through torch's elastic launcher (the API behind torchrun).
 
-``train(config)`` is the Python API; ``mlscale train`` is one of its callers.
+``fit(config)`` is the Python API; ``mlscale train`` is one of its callers.
 """
 
 from __future__ import annotations
