@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from mlscale import __version__
 
 if TYPE_CHECKING:
-    from mlscale.serve.app import ServerState
+    from mlscale.serve.core import ServerState
     from mlscale.serve.models import ServedModel
     from mlscale.serve.runtime import TensorSpec
 

@@ -15,14 +15,16 @@ import socket
 import sys
 import time
 from types import FrameType
+from typing import Any
 
 import uvicorn
 
 from mlscale.errors import MlscaleError
 from mlscale.registry import Registry
-from mlscale.serve.app import GRPC_GRACE_S, ServerState, build_app
 from mlscale.serve.cache import ResponseCache
 from mlscale.serve.connections import protocol_with
+from mlscale.serve.core import GRPC_GRACE_S, ServerState
+from mlscale.serve.http import build_app
 from mlscale.serve.metrics import ServerMetrics
 from mlscale.serve.models import ModelSlot
 from mlscale.serve.options import ServeOptions
@@ -60,6 +62,13 @@ class _DrainingServer(uvicorn.Server):
         if self.should_exit and self.state.grpc_server is not None:  # gRPC closes with HTTP, in the loop
             self.state.stop_grpc(0 if self.force_exit else GRPC_GRACE_S)
         return await super().on_tick(counter)
+
+
+async def _start_grpc(state: ServerState, *args: Any, **kwargs: Any) -> Any:
+    """The gRPC service's start: grpcio is imported only when the service is on, once the models are in."""
+    from mlscale.serve.grpc import start_grpc
+
+    return await start_grpc(state, *args, **kwargs)
 
 
 def build_state(uris: list[str], options: ServeOptions, registry: Registry) -> ServerState:
@@ -106,6 +115,7 @@ def serve(uris: list[str], *, options: ServeOptions | None = None, registry_loca
         host = f"[{options.host}]" if ":" in options.host else options.host
         state.grpc_address = f"{host}:{options.grpc_port}"
         state.grpc_max_calls = options.connection_limit
+        state.start_grpc = _start_grpc  # with the models, in the server's event loop (ServerState.start)
     logging.basicConfig(level=logging.WARNING, format="mlscale serve: %(message)s")
     # No proxy-header rewriting (nothing here reads the client address) and no Server/Date headers:
     # per-request work the hot path does not need. What a client may hold is bounded: connections

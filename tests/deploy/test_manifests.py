@@ -23,7 +23,7 @@ import yaml
 from mlscale.cli import main
 from mlscale.deploy import MIN_KUBERNETES
 from mlscale.deploy.serving import FINISH_IN_FLIGHT_S
-from mlscale.serve.app import GRPC_GRACE_S
+from mlscale.serve.core import GRPC_GRACE_S
 from tests.helpers import REPO
 
 GOLDEN = Path(__file__).parent / "golden"

@@ -4,8 +4,11 @@ metrics and hot reload, and the same shutdown (it stops with the HTTP server, af
 letting calls in flight finish).
 
 Inference takes ``raw_input_contents`` (what tritonclient sends) or typed ``contents`` and answers
-with ``raw_output_contents``, as Triton does. HTTP errors map to status codes: 400 INVALID_ARGUMENT,
-404 NOT_FOUND, 503 UNAVAILABLE (backpressure), 504 DEADLINE_EXCEEDED, 500 INTERNAL.
+with ``raw_output_contents``, as Triton does. HTTP errors map to status codes (``core.GRPC_CODES``):
+400 INVALID_ARGUMENT, 404 NOT_FOUND, 503 UNAVAILABLE (backpressure), 504 DEADLINE_EXCEEDED, 500 INTERNAL.
+
+What it shares with the HTTP app is in ``core.py``; the two transports never import each other. (This
+module is ``mlscale.serve.grpc``: ``import grpc`` below is absolute, so it is grpcio, not this file.)
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from google.protobuf import json_format
 
 from mlscale.errors import MlscaleError
 from mlscale.serve import describe
-from mlscale.serve.app import (
+from mlscale.serve.core import (
+    GRPC_CODES,
     HTTPError,
     ServerState,
     admitted,
@@ -44,9 +48,7 @@ from mlscale.serve.protocol import (
 
 log = logging.getLogger("mlscale.serve")
 SERVICE = "inference.GRPCInferenceService"  # the protocol's name for it on the wire
-STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
-          413: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE,
-          504: grpc.StatusCode.DEADLINE_EXCEEDED}
+STATUS = {status: grpc.StatusCode[name] for status, name in GRPC_CODES.items()}
 # Which typed field of InferTensorContents holds each datatype (FP16 and BF16 travel only raw).
 TYPED_CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
                   "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents",

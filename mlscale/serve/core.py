@@ -1,0 +1,262 @@
+"""What both transports share: the server's state and lifecycle, admission, inference, and the errors
+a request can end in (an HTTP status, which the gRPC service maps to its code: ``GRPC_CODES``).
+
+``http.py`` (the HTTP app) and ``grpc.py`` (the gRPC service) each import this module and never each
+other; this module imports neither. The gRPC service is started with the models by a hook
+(``ServerState.start_grpc``) that ``server.py``, which wires both transports, sets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import numpy as np
+
+from mlscale.serve.batcher import DeadlineExceeded, Overloaded, Replaced
+from mlscale.serve.cache import ResponseCache, cache_key
+from mlscale.serve.connections import BodyBudget
+from mlscale.serve.metrics import ServerMetrics
+from mlscale.serve.models import ModelSlot, ServedModel
+from mlscale.serve.protocol import BadRequest
+
+log = logging.getLogger("mlscale.serve")
+T = TypeVar("T")
+GRPC_GRACE_S = 30.0  # as uvicorn's timeout_graceful_shutdown: calls in flight at the end of the drain
+# The gRPC status code of each HTTP status a request can end in (by name: this module imports no
+# transport); any other status is INTERNAL.
+GRPC_CODES = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 413: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE",
+              504: "DEADLINE_EXCEEDED"}
+
+
+class HTTPError(Exception):
+    """How a request fails, in either transport: an HTTP status (gRPC: ``GRPC_CODES``), a message for
+    the client, and headers (HTTP only)."""
+
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.headers = status, headers
+
+
+def internal_error(exc: BaseException, what: str) -> HTTPError:
+    """A 500 that tells the client nothing internal: a generic message and a request id; the exception
+    goes to the server's log under that id, where an operator can find it."""
+    request_id = uuid.uuid4().hex[:16]
+    log.error("request %s: %s: %s: %s", request_id, what, type(exc).__name__, exc, exc_info=exc)
+    return HTTPError(500, f"internal error (request id {request_id})", {"X-Request-ID": request_id})
+
+
+# The gRPC transport's start: (state, address, max message bytes, max calls) -> its server.
+GrpcStarter = Callable[..., Awaitable[Any]]
+
+
+class ServerState:
+    def __init__(self, slots: list[ModelSlot], metrics: ServerMetrics, cache: ResponseCache, max_body_bytes: int,
+                 exec_timeout_s: float | None = None, read_timeout_s: float = 10.0,
+                 max_inflight_bytes: int | None = None) -> None:
+        self.slots, self.metrics, self.cache, self.max_body_bytes = slots, metrics, cache, max_body_bytes
+        self.exec_timeout_s, self.read_timeout_s = exec_timeout_s, read_timeout_s
+        self.bodies = metrics.body_bytes = BodyBudget(max_inflight_bytes or 32 * max_body_bytes)
+        self.not_live: str | None = None  # why liveness fails; once set it stays: a restart is the cure
+        self.ready = False
+        self.draining = False  # set by the first SIGTERM: never ready again
+        self.tasks: list[asyncio.Task[None]] = []
+        self.grpc_address: str | None = None  # where the gRPC service listens, once the models are loaded
+        self.grpc_max_calls: int | None = None  # calls in flight before new ones get RESOURCE_EXHAUSTED
+        self.start_grpc: GrpcStarter | None = None  # the gRPC service's start_grpc, set by server.py
+        self.grpc_server: Any = None
+        self._grpc_stop: tuple[float, asyncio.Future[None]] | None = None  # (grace, the stop under way)
+        self.loop_lag_s = 0.0  # how late the event loop runs what is ready: the server's own backlog
+
+    async def start(self) -> None:
+        """Start-up, in the server's event loop: watchers, models loaded (then followed), the gRPC
+        service (when it has an address), GC frozen; then ready, unless a signal came meanwhile."""
+        loop = asyncio.get_running_loop()
+        self.tasks.append(loop.create_task(self.watch_loop_lag()))
+        if self.exec_timeout_s is not None:
+            self.tasks.append(loop.create_task(self.watch_exec()))
+        for slot in self.slots:
+            await slot.load()
+            if slot.follows:
+                self.tasks.append(loop.create_task(slot.follow()))
+        if self.grpc_address is not None:
+            assert self.start_grpc is not None, "a gRPC address without the service's start"
+            self.grpc_server = await self.start_grpc(self, self.grpc_address, self.max_body_bytes,
+                                                     max_calls=self.grpc_max_calls)
+        gc.collect()
+        gc.freeze()  # what start-up loaded lives as long as the server: keep it out of every collection
+        self.ready = not self.draining
+
+    async def stop(self) -> None:
+        """Shutdown, once the HTTP server has drained: gRPC stopped, watchers cancelled, every model's
+        queue drained and closed."""
+        self.ready = False
+        if self.grpc_server is not None:  # stopping since the drain ended (see server.py); wait for it
+            await self.stop_grpc(GRPC_GRACE_S)
+        for task in self.tasks:
+            task.cancel()
+        for slot in self.slots:
+            if slot.current is not None:
+                await slot.current.close()
+
+    def stop_grpc(self, grace_s: float) -> asyncio.Future[None]:
+        """Stop the gRPC service: refuse new calls now, let calls in flight finish for ``grace_s``
+        (0: cancel them). Called again, it returns the stop under way, unless asked for a shorter
+        grace (a second signal)."""
+        if self._grpc_stop is None or grace_s < self._grpc_stop[0]:
+            self._grpc_stop = grace_s, asyncio.ensure_future(self.grpc_server.stop(grace_s))
+        return self._grpc_stop[1]
+
+    async def watch_loop_lag(self, period_s: float = 0.005) -> None:
+        """EWMA of event-loop lag. Under overload requests wait in the server before any handler runs;
+        the batcher cannot see that wait, the loop's lag measures it."""
+        while True:  # perf_counter: uvloop's loop.time() ticks in whole milliseconds
+            start = time.perf_counter()
+            await asyncio.sleep(period_s)
+            lag = max(0.0, time.perf_counter() - start - period_s)
+            self.loop_lag_s = 0.8 * self.loop_lag_s + 0.2 * lag
+
+    def check_live(self) -> str | None:
+        """Why the server is not live (a model call has run past ``exec_timeout_s``), or None."""
+        if self.not_live is None and self.exec_timeout_s is not None:
+            now = time.perf_counter()
+            for slot in self.slots:
+                served = slot.current
+                started = served.batcher.call_started if served else None
+                if started is not None and now - started > self.exec_timeout_s:
+                    self.not_live = (f"a call of model {served.name} version {served.number} has run "
+                                     f"{now - started:.1f} s, past --exec-timeout-s {self.exec_timeout_s:g}")
+                    log.error("not live: %s", self.not_live)
+        return self.not_live
+
+    async def watch_exec(self) -> None:
+        """Check for a stuck model call even when nobody probes, so that the log says when it happened."""
+        assert self.exec_timeout_s is not None
+        while self.check_live() is None:
+            await asyncio.sleep(min(1.0, self.exec_timeout_s / 4))
+
+    def successor_of(self, served: ServedModel) -> ServedModel:
+        for slot in self.slots:
+            if slot.name == served.name and slot.current is not None and slot.current is not served:
+                return slot.current
+        raise HTTPError(404, f"model '{served.name}' version {served.number} was replaced")
+
+    def lookup(self, name: str, version: str | None = None) -> ServedModel:
+        for slot in self.slots:
+            served = slot.current
+            if served is not None and served.name == name and (version is None or str(served.number) == version):
+                return served
+        known = ", ".join(sorted({f"{s.current.name}/{s.current.number}" for s in self.slots if s.current}))
+        what = f"model '{name}'" + (f" version {version}" if version else "")
+        raise HTTPError(404, f"unknown {what} (serving: {known})")
+
+
+async def run_inference(state: ServerState, served: ServedModel, array: np.ndarray, params: dict[str, Any],
+                        start: float) -> tuple[np.ndarray, ServedModel]:
+    """The output and the version that computed it (which the response must name). ``start``: when the
+    request's handling began, less the event loop's lag then (its wait before any handler ran)."""
+    try:
+        return await _predict_once(state, served, array, params, start), served
+    except Replaced:
+        # The version was swapped while this request was being read: its successor answers it, so a
+        # hot reload fails nothing. (A request that named this exact version finds it gone: 404.)
+        successor = state.successor_of(served)
+        return await _predict_once(state, successor, array, params, start), successor
+
+
+async def _predict_once(state: ServerState, served: ServedModel, array: np.ndarray, params: dict[str, Any],
+                        start: float) -> np.ndarray:
+    stats = served.stats
+    try:
+        if state.cache.enabled:
+            key = cache_key(served.content_id, array, params)
+            output, how = await state.cache.get_or_compute(key, lambda: served.batcher.submit(array))
+            stats.cache[how].inc()
+        else:
+            output = await served.batcher.submit(array)
+    except Replaced:
+        raise
+    except Overloaded as exc:
+        stats.failure("overloaded")
+        raise HTTPError(503, f"overloaded: {exc}; retry later", {"Retry-After": "1"}) from None
+    except DeadlineExceeded as exc:
+        stats.failure("timeout")
+        raise HTTPError(504, f"request timed out: {exc}") from None
+    except Exception as exc:
+        stats.failure("model")
+        raise internal_error(exc, "the model call failed") from None
+    stats.success.inc()
+    stats.duration.observe(time.perf_counter() - start)
+    return output
+
+
+@contextmanager
+def bad_request_is_400(served: ServedModel) -> Iterator[None]:
+    """A request that does not parse: counted, and a 400 with its message (every protocol)."""
+    try:
+        yield
+    except BadRequest as exc:
+        served.stats.failure("bad_request")
+        raise HTTPError(400, str(exc)) from None
+
+
+def body_budget_full(state: ServerState, headers: dict[str, str] | None = None) -> HTTPError:
+    """The 503 of a request (HTTP body or gRPC message) that would take the server's request bytes past
+    ``--max-inflight-mb``; counted."""
+    state.metrics.refused["body_budget"].inc()
+    return HTTPError(503, f"the server holds {state.bodies.held} bytes of requests, its limit (--max-inflight-mb); "
+                     "retry later", {"Retry-After": "1", **(headers or {})})
+
+
+def refuse_if_overloaded(served: ServedModel) -> None:
+    """503 now when the model's queue is full or, with an SLO, its queue would make a new request miss
+    it. Takes nothing: cheap enough to refuse a request before its body is read."""
+    try:
+        served.batcher.admit(1)
+    except Replaced:
+        pass  # swapped out meanwhile: run_inference hands the request to the successor
+    except Overloaded as exc:
+        served.stats.failure("overloaded")
+        raise HTTPError(503, f"overloaded: {exc}; retry later", {"Retry-After": "1"}) from None
+
+
+async def admitted(state: ServerState, served: ServedModel, answer: Callable[[float], Awaitable[T]]) -> T:
+    """``answer(start)`` for one inference request of any protocol whose body (message) has arrived
+    whole, if admission control lets it in: refused (503) when the queue is full or, with an SLO, when
+    more requests are in flight than keep p99 under it. ``start``: now, less the event loop's lag (how
+    long the request waited unseen)."""
+    start = time.perf_counter() - state.loop_lag_s
+    refuse_if_overloaded(served)
+    guard = served.batcher.guard
+    if guard is None:
+        return await answer(start)
+    if not guard.enter():
+        served.stats.failure("overloaded")
+        raise HTTPError(503, f"overloaded: {guard.limit} requests in flight, the most that keep p99 under "
+                        f"the {guard.slo_s * 1e3:g} ms SLO; retry later", {"Retry-After": "1"})
+    latency = None
+    try:
+        result = await answer(start)
+        latency = time.perf_counter() - start
+        return result
+    finally:
+        guard.leave(latency)
+        served.stats.admission_limit.set(guard.limit)
+
+
+async def entity_features(served: ServedModel, entities: Any) -> np.ndarray:
+    """The model's input built from the online store; 503 with Retry-After when the store does not
+    answer in time (only the requests that need it wait on it)."""
+    from mlscale.serve.featured import StoreUnavailable
+
+    try:
+        return await served.feature_vectors(entities)
+    except StoreUnavailable as exc:
+        served.stats.failure("store_unavailable")
+        raise HTTPError(503, f"{exc}; retry later", {"Retry-After": "1"}) from None
