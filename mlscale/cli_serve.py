@@ -4,20 +4,19 @@
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
+import types
+import typing
+from typing import TYPE_CHECKING, Any
 
 from mlscale.cli_models import add_registry_option
 
 if TYPE_CHECKING:
     from mlscale.serve.options import ServeOptions
 
-# flag -> type; the ServeOptions field of the same name (dashes for underscores) has the default and help
-_FLAGS = {"--host": str, "--port": int, "--grpc-port": int, "--max-batch-size": int, "--max-delay-ms": float,
-          "--slo-ms": float, "--cache-mb": float, "--queue-limit": int, "--timeout-ms": float, "--threads": int,
-          "--max-body-mb": float, "--reload-interval-s": float, "--drain-delay-s": float,
-          "--exec-timeout-s": float, "--online-store": str,
-          "--feature-log": str, "--read-timeout-s": float, "--header-timeout-s": float, "--keep-alive-s": float,
-          "--max-connections": int, "--max-inflight-mb": float, "--store-timeout-ms": float}
+# Every ServeOptions field is a flag of the same name (dashes for underscores), its type (int, float,
+# str) or choices (a Literal) read from the field's annotation, its help the field's description and
+# default; except where the help says more than that:
+_HELP = {"runtime": "auto (default): onnxruntime when the version has an ONNX export, else torch"}
 
 
 ONLINE_STORE_ENV = "MLSCALE_ONLINE_STORE"  # --online-store's value when the flag is not given
@@ -30,6 +29,20 @@ def _field_help(name: str) -> str:
     default = "none" if field.default is None else f"{field.default:g}" if isinstance(field.default, float) \
         else field.default
     return f"{field.description or name.replace('_', ' ')} (default {default})"
+
+
+def _argument(annotation: Any) -> dict[str, Any]:
+    """argparse's ``type`` or ``choices`` for a field's annotation: int, float, str or a Literal, or one
+    of them | None (None is the flag left out)."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        (annotation,) = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+    if typing.get_origin(annotation) is typing.Literal:
+        choices = list(typing.get_args(annotation))
+        kind = type(choices[0])
+        return {"choices": choices} if kind is str else {"type": kind, "choices": choices}
+    if annotation not in (int, float, str):
+        raise TypeError(f"no flag type for a ServeOptions field of type {annotation}")
+    return {"type": annotation}
 
 
 def add_serve(sub: argparse._SubParsersAction) -> None:
@@ -50,16 +63,15 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    from mlscale.serve.options import ServeOptions
+
     p.add_argument("uris", nargs="+", metavar="MODEL_URI")
-    for flag, kind in _FLAGS.items():
-        text = _field_help(flag[2:].replace("-", "_"))
-        if flag == "--online-store":
+    for name, field in ServeOptions.model_fields.items():
+        text = _HELP.get(name) or _field_help(name)
+        if name == "online_store":
             text += f"; default ${ONLINE_STORE_ENV}, which keeps a password off the command line"
-        p.add_argument(flag, type=kind, help=text)
+        p.add_argument("--" + name.replace("_", "-"), help=text, **_argument(field.annotation))
     p.add_argument("--no-grpc", action="store_true", help="serve HTTP only")
-    p.add_argument("--precision", choices=["as-trained", "fp16", "bf16"], help=_field_help("precision"))
-    p.add_argument("--runtime", choices=["auto", "onnx", "torch"],
-                   help="auto (default): onnxruntime when the version has an ONNX export, else torch")
     add_registry_option(p)
 
 
@@ -67,10 +79,9 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
     """The validated options of the parsed flags (a bad value is a one-line UsageError)."""
     import os
 
-    from mlscale.serve.options import serve_options
+    from mlscale.serve.options import ServeOptions, serve_options
 
-    names = [flag[2:].replace("-", "_") for flag in _FLAGS] + ["runtime", "precision"]
-    values = {name: getattr(args, name) for name in names}
+    values = {name: getattr(args, name) for name in ServeOptions.model_fields}
     # a store URL with a password comes from the environment (a Kubernetes Secret), never the command line
     values["online_store"] = values["online_store"] or os.environ.get(ONLINE_STORE_ENV) or None
     options = serve_options(**values)

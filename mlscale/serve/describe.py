@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from mlscale import __version__
+from mlscale.serve.runtimes import RUNTIMES
 
 if TYPE_CHECKING:
     from mlscale.serve.core import ServerState
@@ -21,7 +22,8 @@ if TYPE_CHECKING:
 # The protocol extensions served, as Triton names them (the repository index is served, but not the
 # model_repository extension's load and unload: it is not advertised).
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics"]
-BACKENDS = {"onnx": ("onnxruntime_onnx", "onnxruntime"), "torch": ("pytorch_libtorch", "pytorch")}
+# runtime kind -> (Triton platform, Triton backend), from the one table of runtimes
+BACKENDS = {kind: (runtime.platform, runtime.backend) for kind, runtime in RUNTIMES.items()}
 
 
 def server_metadata() -> dict[str, Any]:

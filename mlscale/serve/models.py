@@ -20,6 +20,7 @@ from mlscale.serve.metrics import ServerMetrics
 from mlscale.serve.options import ServeOptions
 from mlscale.serve.protocol import BadRequest
 from mlscale.serve.runtime import Runtime, TensorSpec, load_runtime
+from mlscale.serve.runtimes import RUNTIMES
 
 log = logging.getLogger("mlscale.serve")
 
@@ -43,7 +44,7 @@ class ServedModel:
         self.name, self.number = version.name, version.version
         signature = version.signature
         self.input, self.output = (_served_spec(signature[side][0], runtime.datatype) for side in ("inputs", "outputs"))
-        artifact = version.artifacts.get("model.onnx" if runtime.kind == "onnx" else "model.safetensors")
+        artifact = version.artifacts.get(RUNTIMES[runtime.kind].artifact)
         # what computes the answers: the artifact and the precision it runs in (a cache key's first part)
         self.content_id = f"{runtime.kind}:{artifact.sha256 if artifact else version.uri}:{self.output.datatype}"
         self.labels = (self.name, str(self.number))

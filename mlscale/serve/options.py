@@ -11,6 +11,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from mlscale.errors import UsageError
+from mlscale.serve.runtimes import AUTO, RuntimeChoice
 
 
 class ServeOptions(BaseModel):
@@ -28,7 +29,7 @@ class ServeOptions(BaseModel):
     slo_ms: float | None = Field(None, gt=0, description="latency objective: adapts the batch size, refuses "
                                  "requests that would miss it")
     timeout_ms: float = Field(10_000, gt=0, description="longest a request may wait in the queue (then 504)")
-    runtime: Literal["auto", "onnx", "torch"] = "auto"
+    runtime: RuntimeChoice = AUTO  # one of runtimes.RUNTIME_CHOICES
     online_store: str | None = Field(None, description="where a model trained from features finds them: a "
                                      "SQLite file or a redis:// URL (requests then name entities)")
     feature_log: str | None = Field(None, description="a SQLite file the served feature vectors are written to, "

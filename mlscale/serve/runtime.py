@@ -1,7 +1,8 @@
 """Runtimes: what executes a batch. The server only knows this interface, not how a model was trained.
 
 ``onnx`` (onnxruntime, the default when the version has an ONNX artifact) and ``torch`` (eager, in
-inference mode). Both take and return numpy arrays whose first dimension is the batch.
+inference mode). Both take and return numpy arrays whose first dimension is the batch. Which runtimes
+there are, what each loads and how it is named to clients is in one table: ``runtimes.RUNTIMES``.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from mlscale.dtypes import V2_TO_NAME
-from mlscale.errors import UsageError
 from mlscale.registry import ModelVersion, Registry
+from mlscale.serve.runtimes import choose
 
 V2_TO_NUMPY = {v2: np.dtype(name) for v2, name in V2_TO_NAME.items() if v2 != "BF16"}
 NUMPY_TO_V2 = {dtype: v2 for v2, dtype in V2_TO_NUMPY.items()}
@@ -86,16 +87,6 @@ PRECISIONS = {"fp16": "FP16", "bf16": "BF16"}
 
 def load_runtime(registry: Registry, version: ModelVersion, kind: str = "auto", threads: int = 1,
                  precision: str = "as-trained") -> Runtime:
-    if kind not in ("auto", "onnx", "torch"):
-        raise UsageError(f"bad value runtime={kind!r}: must be auto, onnx or torch")
-    if precision != "as-trained" and kind == "onnx":
-        raise UsageError(f"bad value precision={precision!r}: reduced-precision serving runs on the torch "
-                         "runtime (--runtime torch or auto)")
-    if precision == "as-trained" and (kind == "onnx" or (kind == "auto" and "model.onnx" in version.artifacts)):
-        if "model.onnx" not in version.artifacts:
-            raise UsageError(f"{version.uri} has no ONNX artifact: run `mlscale export {version.uri}` first, "
-                             "or serve with --runtime torch")
-        return OnnxRuntime(registry.artifact_bytes(version, "model.onnx"), threads)
-    from mlscale.registry import load_torch_model
-
-    return TorchRuntime(load_torch_model(registry, version), threads, datatype=PRECISIONS.get(precision))
+    """The runtime ``kind`` names (or ``auto`` picks), loaded: see ``runtimes.RUNTIMES``."""
+    runtime = choose(kind, version.artifacts, precision)
+    return runtime.load(registry, version, threads, PRECISIONS.get(precision))

@@ -47,3 +47,69 @@ def test_the_grpc_service_module_imports_grpcio_not_itself():
     import mlscale.serve.grpc as service
 
     assert service.grpc is grpc and service is not grpc and hasattr(service.grpc, "aio")
+
+
+def _serve_parser():
+    import argparse
+
+    from mlscale.cli import build_parser
+
+    (commands,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    serve = commands.choices["serve"]
+    serve.format_help()  # a LazyParser: its arguments are added on first use
+    return {action.dest: action for action in serve._actions}
+
+
+def test_every_list_of_runtimes_is_the_registry():
+    import typing
+
+    from mlscale.serve import describe
+    from mlscale.serve.options import ServeOptions
+    from mlscale.serve.runtimes import AUTO, RUNTIME_CHOICES, RUNTIMES
+
+    kinds, choices = list(RUNTIMES), (AUTO, *RUNTIMES)
+    assert kinds == ["onnx", "torch"] and choices == RUNTIME_CHOICES
+    assert typing.get_args(ServeOptions.model_fields["runtime"].annotation) == choices  # the options Literal
+    assert _serve_parser()["runtime"].choices == list(choices)  # mlscale serve --runtime
+    assert list(describe.BACKENDS) == kinds
+    assert all(describe.BACKENDS[kind] == (RUNTIMES[kind].platform, RUNTIMES[kind].backend) for kind in kinds)
+    assert all(kind == runtime.kind for kind, runtime in RUNTIMES.items())
+
+
+def test_each_runtime_is_named_as_its_code_and_its_artifact_as_the_registry_and_export_write_it():
+    from mlscale.export.onnx import ONNX_ARTIFACT
+    from mlscale.registry.store import WEIGHTS_ARTIFACT
+    from mlscale.serve.runtime import OnnxRuntime, TorchRuntime
+    from mlscale.serve.runtimes import RUNTIMES
+
+    assert RUNTIMES[OnnxRuntime.kind].artifact == ONNX_ARTIFACT
+    assert RUNTIMES[TorchRuntime.kind].artifact == WEIGHTS_ARTIFACT
+
+
+def test_auto_picks_onnx_when_exported_else_torch_and_reduced_precision_only_runs_on_torch():
+    import pytest
+
+    from mlscale.errors import UsageError
+    from mlscale.serve.runtimes import choose
+
+    both = {"model.onnx", "model.safetensors"}
+    assert choose("auto", both).kind == "onnx"
+    assert choose("auto", {"model.safetensors"}).kind == "torch"
+    assert choose("auto", both, "bf16").kind == "torch"
+    assert choose("torch", both, "fp16").kind == "torch"
+    with pytest.raises(UsageError, match="reduced-precision serving runs on the torch runtime"):
+        choose("onnx", both, "fp16")
+    with pytest.raises(UsageError, match="must be auto, onnx or torch"):
+        choose("tensorrt", both)
+
+
+def test_every_serve_option_is_a_flag_typed_from_its_annotation():
+    from mlscale.serve.options import ServeOptions
+
+    actions = _serve_parser()
+    for name in ServeOptions.model_fields:
+        assert name in actions, name
+    assert actions["port"].type is int and actions["grpc_port"].type is int  # int | None: int
+    assert actions["slo_ms"].type is float and actions["host"].type is str and actions["online_store"].type is str
+    assert actions["precision"].choices == ["as-trained", "fp16", "bf16"] and actions["precision"].type is None
+    assert actions["no_grpc"].const is True and "registry" in actions
