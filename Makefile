@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU build of torch: a plain `torch` would pull a multi-GB CUDA build. GPU users install their own.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test lint bench-train proto clean
+.PHONY: demo test lint bench-train proto flags clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,10 @@ bench-train: $(BIN)/.installed
 # (committed; tests/serve/test_interop.py checks that the module matches a fresh generation).
 proto: $(BIN)/.installed
 	$(BIN)/python -m grpc_tools.protoc -I . --python_out=. mlscale/serve/proto/inference.proto
+
+# mlscale train's flags, generated from the options models in mlscale/config.py (committed; a test checks them)
+flags: $(BIN)/.installed
+	$(BIN)/python -m mlscale.cli_train
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -43,13 +43,13 @@ def render_training_job(*, config_path: str | None, nodes: int, image: str, name
         name=name or default_name("train", config.task, longest=62 - len(str(max(nodes, 1) - 1))), image=image,
         nodes=nodes, config_text=_read(config_path) if config_path else NO_CONFIG,
         config_file=config_file_name(config_path),
-        max_restarts=config.max_restarts if max_restarts is None else max_restarts, **options)
+        max_restarts=config.recovery.max_restarts if max_restarts is None else max_restarts, **options)
     strategy_for(config).check(config, job.world_size)
     notes = []
     if "workers" in config.model_fields_set and config.workers != job.world_size:
         notes.append(f"the config's workers = {config.workers} is not used: torchrun starts {job.world_size} "
                      f"process(es) ({nodes} node(s) x {job.processes_per_node})")
-    if not config.checkpoint_every:
+    if not config.checkpoint.checkpoint_every:
         notes.append("the config has no checkpoint_every: a pod that fails restarts the run from step 0")
     if job.checkpoint_claim is None:
         notes.append("no --checkpoint-volume: the run directory is on the pod's own disk (emptyDir) and goes "

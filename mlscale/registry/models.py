@@ -106,7 +106,7 @@ def register_run(registry: Registry, run_dir: str | Path, name: str, *, descript
         raise UsageError(f"bad value run-dir={str(run_dir)!r}: the run did not complete ({report.get('status')})")
     if not run.final_model_path.exists():
         raise UsageError(f"bad value run-dir={str(run_dir)!r}: final/{WEIGHTS} is missing")
-    config = TrainConfig(**run.read_config()).model_dump()
+    config = TrainConfig(**run.read_config()).flat()  # by flat names, as earlier versions were registered
     metrics = {"eval": report.get("eval", {}), "final_loss": report.get("final_loss"),
                "samples_per_s": report.get("samples_per_s"), "steps": report.get("steps"),
                "samples_seen": report.get("samples_seen"), "world_size": report.get("world_size"),

@@ -32,78 +32,19 @@ import os
 import random
 import signal
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
-from mlscale.errors import UsageError
+from mlscale.faultspec import ANY_RANK, Fault
 from mlscale.io import atomic_write_json, read_records
-
-_OPTIONAL = {"p", "rejoin_by"}
-ANY_RANK = -1  # rank=any
-_FIELDS = {
-    "kill": ("rank", "step", "rejoin_by"),
-    "kill_in_step": ("rank", "step", "rejoin_by"),
-    "hang": ("rank", "step"),
-    "slow": ("rank", "delay_ms", "p"),
-    "kill_during_checkpoint": ("step",),
-    "inf_grad": ("rank", "step"),
-}
-
-
-@dataclass(frozen=True)
-class Fault:
-    kind: str
-    rank: int = 0
-    step: int = 0
-    delay_ms: float = 0.0
-    p: float = 1.0  # the fraction of steps a slow fault is slow on
-    rejoin_by: int = 0  # a kill: the step before which the others wait for the killed rank's replacement
-
-
-def parse_fault(spec: str) -> Fault:
-    kind, *parts = spec.split(":")
-    if kind not in _FIELDS:
-        raise UsageError(f"bad value fault={spec!r}: kind must be one of {', '.join(_FIELDS)}")
-    expected = f"{kind}:" + ":".join(f"{f}=N" for f in _FIELDS[kind] if f not in _OPTIONAL)
-    values: dict[str, float] = {}
-    for part in parts:
-        key, sep, raw = part.partition("=")
-        if not sep or key not in _FIELDS[kind]:
-            raise UsageError(f"bad value fault={spec!r}: expected {expected}")
-        values[key] = _number(spec, key, raw, kind)
-    missing = [field for field in _FIELDS[kind] if field not in values and field not in _OPTIONAL]
-    if missing:
-        raise UsageError(f"bad value fault={spec!r}: missing {', '.join(missing)}")
-    fault = Fault(kind=kind, rank=int(values.get("rank", 0)), step=int(values.get("step", 0)),
-                  delay_ms=values.get("delay_ms", 0.0), p=values.get("p", 1.0),
-                  rejoin_by=int(values.get("rejoin_by", 0)))
-    if "rejoin_by" in values and fault.rejoin_by <= fault.step:
-        raise UsageError(f"bad value fault={spec!r}: rejoin_by must come after the step of the kill ({fault.step})")
-    return fault
-
-
-def _number(spec: str, key: str, raw: str, kind: str) -> float:
-    if key == "rank" and raw == "any" and kind == "slow":
-        return ANY_RANK
-    try:
-        value = float(raw)
-    except ValueError:
-        raise UsageError(f"bad value fault={spec!r}: {key} must be a number"
-                         + (" or 'any'" if key == "rank" and kind == "slow" else "")) from None
-    if key == "p" and not 0 < value <= 1:
-        raise UsageError(f"bad value fault={spec!r}: p must be in (0, 1]")
-    if value < 0:
-        raise UsageError(f"bad value fault={spec!r}: {key} must not be negative")
-    return value
 
 
 class FaultInjector:
     """Applies the faults aimed at this rank; does nothing when there are none."""
 
-    def __init__(self, specs: list[str], rank: int, first_attempt: bool, log_path: Path | None = None,
+    def __init__(self, faults: list[Fault], rank: int, first_attempt: bool, log_path: Path | None = None,
                  data_ranks: list[int] | None = None, seed: int = 0, fresh: bool = True, hold_s: float = 0.0,
                  started: float = 0.0) -> None:
-        faults = [parse_fault(spec) for spec in specs]
         once = [f for f in faults if first_attempt and f.kind != "slow"]
         self._kill = {f.step: f for f in once if f.kind in ("kill", "hang") and f.rank == rank}
         self._kill_in_step = {f.step: f for f in once if f.kind == "kill_in_step" and f.rank == rank}

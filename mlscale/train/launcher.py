@@ -17,9 +17,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from pydantic import ValidationError
-
-from mlscale.config import TrainConfig, describe_error
+from mlscale.config import TrainConfig, flatten, merged, validated
 from mlscale.data import steps_per_epoch
 from mlscale.data.parquet import ParquetData, check_shardable
 from mlscale.data.tensors import TensorData
@@ -29,7 +27,6 @@ from mlscale.rundir import RunDir
 from mlscale.tasks import make_task
 from mlscale.train.checkpoint import Checkpointer
 from mlscale.train.dist import LOCAL_HOST, member_from_environ, private_environment, stores_listening_on, under_launcher
-from mlscale.train.faults import parse_fault
 from mlscale.train.recovery import KNOCK_ON
 from mlscale.train.replica_groups import launch_replica_groups
 from mlscale.train.strategies import strategy_for
@@ -96,14 +93,12 @@ def resumed_config(config: TrainConfig) -> TrainConfig:
     if not run_dir.config_path.exists():
         return config  # _prepare says there is nothing to resume
     saved = run_dir.read_config()
-    given = {name: getattr(config, name) for name in config.model_fields_set}
+    given = config.given()
+    saved = flatten(saved)
     for length, other in (("steps", "epochs"), ("epochs", "steps")):  # a new length replaces the saved one
         if given.get(length) is not None:
             saved.pop(other, None)
-    try:
-        return TrainConfig(**{**saved, **given, "resume": True})
-    except ValidationError as exc:
-        raise UsageError(describe_error(exc)) from None
+    return validated(merged(saved, given, {"resume": True}))
 
 
 @contextlib.contextmanager
@@ -130,16 +125,12 @@ def check_job(config: TrainConfig, data: TensorData | ParquetData, world: int,
 
     strategy = strategy_for(config)
     strategy.check(config, world)
-    strategy.check_training_options(config)
-    if "tensorboard" in config.log:
+    if "tensorboard" in config.records.log:
         try:
             import torch.utils.tensorboard
         except ImportError:
             raise UsageError("bad value log='tensorboard': needs the tensorboard package (pip install "
                              "'mlscale[tensorboard]')") from None
-    if config.compress != "none" and not strategy.compresses:
-        raise UsageError(f"bad value compress={config.compress!r}: gradient compression is a DDP communication "
-                         f"hook; --strategy {config.strategy} does not all-reduce through DDP (use --strategy ddp)")
     if build_model is not None:
         try:
             with torch.device("meta"):  # the structure only: no memory for the weights
@@ -158,15 +149,14 @@ def check_job(config: TrainConfig, data: TensorData | ParquetData, world: int,
     elif steps_per_epoch(len(data), workers, config.step_batch) == 0:
         raise UsageError(f"bad value batch-size={config.batch_size}: {config.batch_size} per worker x {workers} "
                          f"worker(s) is more than the {len(data):,} training samples of task {config.task!r}")
-    for spec in config.faults:
-        fault = parse_fault(spec)
-        if fault.kind != "kill_during_checkpoint" and fault.rank >= world * groups:
-            raise UsageError(f"bad value fault={spec!r}: rank {fault.rank} does not exist with {world * groups} "
+    for fault in config.recovery.faults:
+        if fault.aims_at_rank and fault.rank >= world * groups:
+            raise UsageError(f"bad value fault={fault.spec!r}: rank {fault.rank} does not exist with {world * groups} "
                              f"process(es) (ranks 0..{world * groups - 1})")
-        if fault.rejoin_by and not (config.per_step and config.max_restarts):
-            raise UsageError(f"bad value fault={spec!r}: rejoin_by waits for the killed rank's replacement, which "
-                             "needs --fault-tolerance per-step and --max-restarts 1 or more")
-    if config.device == "cuda" and not torch.cuda.is_available():
+        if fault.rejoin_by and not (config.per_step and config.recovery.max_restarts):
+            raise UsageError(f"bad value fault={fault.spec!r}: rejoin_by waits for the killed rank's replacement, "
+                             "which needs --fault-tolerance per-step and --max-restarts 1 or more")
+    if config.compute.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("bad value device='cuda': no CUDA device is available here (torch "
                          f"{torch.__version__}); use --device cpu or auto")
 
@@ -219,7 +209,7 @@ def _launch_local(config: TrainConfig, run_dir: RunDir, world: int) -> None:
         min_nodes=1, max_nodes=1, nproc_per_node=world,
         run_id=f"mlscale-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", rdzv_configs={"timeout": 120},
-        max_restarts=config.max_restarts, monitor_interval=0.1, start_method="spawn",
+        max_restarts=config.recovery.max_restarts, monitor_interval=0.1, start_method="spawn",
         local_addr=LOCAL_HOST,  # what the workers are told to connect to: the stores listen there only
         logs_specs=DefaultLogsSpecs(log_dir=str(run_dir.logs / "elastic")),
     )
@@ -227,7 +217,7 @@ def _launch_local(config: TrainConfig, run_dir: RunDir, world: int) -> None:
         with stores_listening_on(LOCAL_HOST):  # the agent's, in this process
             elastic_launch(launch, sys.executable)("-m", "mlscale.train", str(run_dir.path))
     except ChildFailedError as exc:
-        rank, how = _root_cause(exc, config.collective_timeout_s)
+        rank, how = _root_cause(exc, config.recovery.collective_timeout_s)
         _write_failed_report(config, run_dir, rank, how)
         raise WorkerFailed(_failure_paragraph(config, run_dir, rank, how), rank=rank) from None
 
@@ -235,7 +225,7 @@ def _launch_local(config: TrainConfig, run_dir: RunDir, world: int) -> None:
 def _failure_paragraph(config: TrainConfig, run_dir: RunDir, rank: int, how: str) -> str:
     """What a user needs after a failed job: who failed and how, what was tried, how to go on."""
     lines = [f"training failed: worker rank {rank} {how}."]
-    lines.append(f"  restarts used: {config.max_restarts} of {config.max_restarts} (--max-restarts).")
+    lines.append(f"  restarts used: {config.recovery.max_restarts} of {config.recovery.max_restarts} (--max-restarts).")
     latest = Checkpointer(run_dir.checkpoints).latest()
     if latest is not None:
         lines.append(f"  last good checkpoint: {latest}")
@@ -302,7 +292,7 @@ def _write_failed_report(config: TrainConfig, run_dir: RunDir, rank: int, messag
         "world_size": strategy_for(config).world_size(config) * config.replica_groups,
         "workers": config.workers,
         "error": {"rank": rank, "message": message},
-        "restarts": config.max_restarts,
+        "restarts": config.recovery.max_restarts,
         "wall_s": time.time() - float(os.environ.get(JOB_START_ENV, time.time())),
         "model_uri": None,
     })

@@ -51,15 +51,15 @@ _FINISHED_GRACE_S = 15.0  # after the report: for the other groups to write thei
 @contextlib.contextmanager
 def lighthouse(config: TrainConfig) -> Iterator[str]:
     """The lighthouse's address: ``--lighthouse``, or one started here for the job's lifetime."""
-    if config.lighthouse:
-        yield config.lighthouse
+    if config.torchft.lighthouse:
+        yield config.torchft.lighthouse
         return
     import_torchft()
     from torchft.coordination import LighthouseServer
 
-    server = LighthouseServer(bind=f"{LOCAL_HOST}:0", min_replicas=config.min_replicas,
-                              join_timeout_ms=max(10_000, 10 * config.heartbeat_timeout_ms),
-                              heartbeat_timeout_ms=config.heartbeat_timeout_ms)
+    server = LighthouseServer(bind=f"{LOCAL_HOST}:0", min_replicas=config.torchft.min_replicas,
+                              join_timeout_ms=max(10_000, 10 * config.torchft.heartbeat_timeout_ms),
+                              heartbeat_timeout_ms=config.torchft.heartbeat_timeout_ms)
     try:
         # its address names this host, which may resolve to an address it does not listen on
         yield f"http://{LOCAL_HOST}:{server.address().rsplit(':', 1)[1]}"
@@ -72,16 +72,16 @@ def gpus_per_group(config: TrainConfig) -> list[list[str]] | None:
     the CPU. Several groups on one device would break NCCL, so too few devices is a usage error."""
     import torch
 
-    if config.device == "cpu" or not torch.cuda.is_available():
+    if config.compute.device == "cpu" or not torch.cuda.is_available():
         return None
-    needed, count = config.workers * config.group_size, torch.cuda.device_count()
+    needed, count = config.workers * config.torchft.group_size, torch.cuda.device_count()
     if count < needed:
         raise UsageError(f"bad value workers={config.workers}: {config.workers} replica group(s) x "
-                         f"{config.group_size} process(es) need {needed} CUDA devices, this machine has {count} "
-                         "(use fewer, or --device cpu)")
+                         f"{config.torchft.group_size} process(es) need {needed} CUDA devices, this machine has "
+                         f"{count} (use fewer, or --device cpu)")
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")  # the devices this launcher was given, if narrowed
     names = visible.split(",") if visible else [str(index) for index in range(count)]
-    return [[names[group * config.group_size + rank] for rank in range(config.group_size)]
+    return [[names[group * config.torchft.group_size + rank] for rank in range(config.torchft.group_size)]
             for group in range(config.workers)]
 
 
@@ -92,8 +92,8 @@ def agent_command(config: TrainConfig, run_dir: RunDir) -> list[str]:
     # host's name would resolve to another address on many machines: Docker, Debian's 127.0.1.1, a VM's IP)
     return [sys.executable, "-m", "mlscale.train.local_agent", "--standalone", "--nnodes=1",
             f"--local-addr={LOCAL_HOST}",
-            f"--nproc-per-node={config.group_size}",
-            f"--max-restarts={config.max_restarts}", "--monitor-interval=0.1",
+            f"--nproc-per-node={config.torchft.group_size}",
+            f"--max-restarts={config.recovery.max_restarts}", "--monitor-interval=0.1",
             "-m", "mlscale.train", str(run_dir.path)]
 
 
@@ -106,7 +106,7 @@ def launch_replica_groups(config: TrainConfig, run_dir: RunDir, total_steps: int
                "RUST_LOG": os.environ.get("RUST_LOG", "error"), "TORCH_CPP_LOG_LEVEL": "ERROR",
                NO_PROGRESS_ENV: "1", TOKEN_ENV: os.environ.get(TOKEN_ENV) or secrets.token_urlsafe(32),
                **private_environment(LOCAL_HOST)}
-        if config.group_size > 1:
+        if config.torchft.group_size > 1:
             # A fresh store per rendezvous round: a restarted group's ranks must not read the torchft
             # Manager address its previous attempt published in the agent's store.
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
@@ -138,7 +138,7 @@ def _follow(config: TrainConfig, run_dir: RunDir, agents: list[subprocess.Popen[
     """Wait for every agent, showing progress from ``metrics.jsonl`` and the quorum's changes from the
     replicas' logs. Returns the agents' exit codes."""
     watcher = _Watcher(run_dir, config.workers)
-    progress = Progress(total) if config.progress else None
+    progress = Progress(total) if config.records.progress else None
     finished_at = None
     while any(agent.poll() is None for agent in agents):
         time.sleep(_POLL_S)
@@ -225,10 +225,10 @@ def _completed(run_dir: RunDir, total_steps: int) -> bool:
 
 def _fail(config: TrainConfig, run_dir: RunDir, failed: list[int], logs: Path) -> None:
     lines = [f"training failed: replica group(s) {', '.join(map(str, failed))} stopped and the job did not finish."]
-    lines.append(f"  restarts per group: {config.max_restarts} (--max-restarts); the fewest replica groups that "
-                 f"may commit a step: {config.min_replicas} (--min-replicas).")
+    lines.append(f"  restarts per group: {config.recovery.max_restarts} (--max-restarts); the fewest replica "
+                 f"groups that may commit a step: {config.torchft.min_replicas} (--min-replicas).")
     for group in failed:
-        where = traceback_path(run_dir, group * config.group_size)  # named by member: its rank 0's
+        where = traceback_path(run_dir, group * config.torchft.group_size)  # named by member: its rank 0's
         lines.append(f"  replica group {group}: " + (f"traceback {where}" if where.exists() else
                                                      f"log {logs / f'replica{group}.log'}"))
-    raise WorkerFailed("\n".join(lines), rank=failed[0] * config.group_size)  # its rank 0, counted in the job
+    raise WorkerFailed("\n".join(lines), rank=failed[0] * config.torchft.group_size)  # its rank 0, counted in the job

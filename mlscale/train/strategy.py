@@ -21,7 +21,6 @@ from torch import nn
 
 from mlscale.config import TrainConfig
 from mlscale.data import Position
-from mlscale.errors import UsageError
 from mlscale.train.checkpoint import TrainState
 from mlscale.train.dist import DistEnv
 from mlscale.train.timing import CommTimer
@@ -174,11 +173,7 @@ class Setup:
 
 class Strategy(ABC):
     name: ClassVar[str]
-    compresses: ClassVar[bool] = False  # honours --compress (a DDP communication hook)
-    clips_globally: ClassVar[bool] = False  # each rank's update sees every gradient (or their DTensor shards)
-    evaluates_during_training: ClassVar[bool] = False  # has an ``evaluator()``
-    compiles: ClassVar[bool] = False  # honours --compile
-    backward_through_learner: ClassVar[bool] = False  # Learner.backward runs the backward (--fault inf_grad)
+    # Which options apply to which strategy is declared with the options (mlscale.config: ``only``).
     # A restarted process gets the training state from a live peer (per-step fault tolerance), not from
     # the newest checkpoint; the others never restart.
     recovers_live: ClassVar[bool] = False
@@ -214,22 +209,6 @@ class Strategy(ABC):
     def check(cls, config: TrainConfig, world: int) -> None:
         """Refuse, with a ``UsageError``, options this strategy cannot honour."""
         return None
-
-    @classmethod
-    def check_training_options(cls, config: TrainConfig) -> None:
-        """Refuse, with a ``UsageError``, an update option the strategy cannot apply correctly."""
-        if config.clip_grad_norm is not None and not cls.clips_globally:
-            raise UsageError(f"bad value clip-grad-norm={config.clip_grad_norm:g}: --strategy {cls.name} holds the "
-                             "gradients on several ranks without their global norm (use ddp, fsdp or tp)")
-        if any(spec.startswith("inf_grad") for spec in config.faults) and not cls.backward_through_learner:
-            raise UsageError(f"bad value fault='inf_grad': --strategy {cls.name} runs its backward passes itself "
-                             "(ddp, fsdp and tp take this fault)")
-        if config.compile and not cls.compiles:
-            raise UsageError(f"bad value compile=True: --compile is built for ddp (and one worker) here; --strategy "
-                             f"{cls.name} runs its model uncompiled")
-        if config.eval_every and not cls.evaluates_during_training:
-            raise UsageError(f"bad value eval-every={config.eval_every}: --strategy {cls.name} evaluates at the "
-                             "end only (use ddp, fsdp or tp)")
 
     @classmethod
     def check_model(cls, config: TrainConfig, model: nn.Module, world: int) -> None:

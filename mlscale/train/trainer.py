@@ -52,20 +52,21 @@ def total_steps(config: TrainConfig, data: TensorData | ParquetData, world: int)
 
 
 def build_optimizer(config: TrainConfig, params: Any) -> torch.optim.Optimizer:
-    if config.optimizer == "adam":
-        return torch.optim.Adam(params, lr=config.lr, weight_decay=config.weight_decay)
-    return torch.optim.SGD(params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay)
+    if config.optim.optimizer == "adam":
+        return torch.optim.Adam(params, lr=config.optim.lr, weight_decay=config.optim.weight_decay)
+    optim = config.optim
+    return torch.optim.SGD(params, lr=optim.lr, momentum=optim.momentum, weight_decay=optim.weight_decay)
 
 
 def lr_factor(config: TrainConfig, total: int) -> Any:
     """Linear warm-up, then constant or cosine decay to zero at ``total``."""
 
     def factor(step: int) -> float:
-        if step < config.warmup_steps:
-            return (step + 1) / config.warmup_steps
-        if config.lr_schedule == "constant":
+        if step < config.optim.warmup_steps:
+            return (step + 1) / config.optim.warmup_steps
+        if config.optim.lr_schedule == "constant":
             return 1.0
-        progress = (step - config.warmup_steps) / max(1, total - config.warmup_steps)
+        progress = (step - config.optim.warmup_steps) / max(1, total - config.optim.warmup_steps)
         return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
     return factor
@@ -126,7 +127,7 @@ class Trainer:
     def __init__(self, config: TrainConfig, env: DistEnv, run_dir: RunDir) -> None:
         self.config, self.env, self.run_dir = config, env, run_dir
         self.task = make_task(config.task, config.task_options)
-        self.dtype = getattr(torch, config.dtype)
+        self.dtype = getattr(torch, config.compute.dtype)
         self.train_data = self.task.train.to(self.dtype)
         strategy_type = strategy_for(config)
         layout = strategy_type.data_shards(config, env.world_size)
@@ -137,15 +138,16 @@ class Trainer:
         data_ranks = [group * env.world_size + rank for group in range(env.replicas)
                       for rank, shard in enumerate(layout) if shard is not None]
         self.strategy = strategy_type(env, config)
-        self.faults = FaultInjector(config.faults, env.member, first_attempt=env.attempt == 0 and not config.resume,
+        self.faults = FaultInjector(config.recovery.faults, env.member,
+                                    first_attempt=env.attempt == 0 and not config.resume,
                                     log_path=run_dir.logs / "faults.jsonl", data_ranks=data_ranks, seed=config.seed,
-                                    fresh=not config.resume, hold_s=config.collective_timeout_s,
+                                    fresh=not config.resume, hold_s=config.recovery.collective_timeout_s,
                                     started=float(os.environ.get(JOB_START_ENV, 0)))
         self.total_steps = total_steps(config, self.train_data, self.shards)
         self.global_batch = config.step_batch * self.shards
         self.checkpointer = self._make_checkpointer(strategy_type.checkpoint_ranks(config, env.world_size))
         self.checkpoint_stalls_ms: list[float] = []
-        self.stragglers = StragglerDetector(threshold=config.straggler_threshold)
+        self.stragglers = StragglerDetector(threshold=config.records.straggler_threshold)
 
         self.step, self.samples_seen = 0, 0
         self.memory: dict[str, float] | None = None
@@ -194,21 +196,21 @@ class Trainer:
         assert shard is not None
         plain = dict(rank=shard, world=self.shards, batch_size=config.step_batch, seed=config.seed)
         streamed = isinstance(self.train_data, ParquetData)
-        if config.data_workers == 0 and self.task.transform is None and not streamed:
+        if config.data.data_workers == 0 and self.task.transform is None and not streamed:
             return ShardLoader(self.train_data, position=self.positions[shard], **plain)
         loader_type = ParquetLoader if streamed else PipelineLoader
         # One cache per process (ranks that read the same shard, under tp or pipeline, keep their own),
         # valid for this task, its options and dtype only.
         cache_dir = self.run_dir.path / "data-cache" / f"rank{self.env.member}"
-        cache_key = json.dumps([config.task, config.task_options, config.dtype], sort_keys=True, default=str)
+        cache_key = json.dumps([config.task, config.task_options, config.compute.dtype], sort_keys=True, default=str)
 
-        def make(workers: int, cache: str = config.data_cache) -> StreamLoader:
+        def make(workers: int, cache: str = config.data.data_cache) -> StreamLoader:
             return loader_type(self.train_data, position=self.positions[shard], workers=workers,
-                               prefetch=config.data_prefetch, transform=self.task.transform, cache=cache,
+                               prefetch=config.data.data_prefetch, transform=self.task.transform, cache=cache,
                                cache_dir=cache_dir, cache_key=cache_key, pin_memory=self.env.device.type == "cuda",
                                **plain)
 
-        workers = config.data_workers if self.loader is None else self.data_workers  # measured once
+        workers = config.data.data_workers if self.loader is None else self.data_workers  # measured once
         if workers == "auto":  # timed without the cache: a candidate must not read what another made
             workers, timings = autotune_workers(lambda n: make(n, cache="none"))
             if self.env.is_main:
@@ -222,9 +224,10 @@ class Trainer:
         optimizer = build_optimizer(self.config, params)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(self.config, self.total_steps))
         learner = Learner(optimizer=optimizer, scheduler=schedule,
-                          scaler=torch.amp.GradScaler(self.env.device.type, enabled=self.config.precision == "fp16"),
-                          precision=self.config.precision, device_type=self.env.device.type)
-        learner.clip_grad_norm = self.config.clip_grad_norm
+                          scaler=torch.amp.GradScaler(self.env.device.type,
+                                                      enabled=self.config.compute.precision == "fp16"),
+                          precision=self.config.compute.precision, device_type=self.env.device.type)
+        learner.clip_grad_norm = self.config.optim.clip_grad_norm
         self.learners.append(learner)
         return learner
 
@@ -241,13 +244,13 @@ class Trainer:
         must not interleave with training's); other ranks only read."""
         group = None
         if self.env.distributed:  # also for one writer: async_save needs a CPU group, the default may be nccl
-            timeout = timedelta(seconds=self.config.collective_timeout_s)
+            timeout = timedelta(seconds=self.config.recovery.collective_timeout_s)
             group = dist.new_group(ranks=writers, backend="gloo", timeout=timeout)  # called on every rank
         writer = self.env.rank in writers
         # Under a CPU memory limit an async save's copy of the state would count against it: write in place.
-        async_save = self.config.async_checkpoint and not (self.config.memory_limit_mb and
+        async_save = self.config.checkpoint.async_checkpoint and not (self.config.compute.memory_limit_mb and
                                                            self.env.device.type == "cpu")
-        return Checkpointer(self.run_dir.checkpoints, keep=self.config.keep_checkpoints,
+        return Checkpointer(self.run_dir.checkpoints, keep=self.config.checkpoint.keep_checkpoints,
                             async_save=async_save, write_hook=self.faults.during_checkpoint_write,
                             rank=writers.index(self.env.rank) if writer else None, group=group,
                             collective=writer and group is not None,
@@ -367,8 +370,8 @@ class Trainer:
             for learner in self.learners:
                 learner.poison_next = True
         self.local_steps += 1
-        if batch is not None and self.config.simulated_compute_ms and not self.strategy.simulates_compute:
-            time.sleep(self.config.simulated_compute_ms / 1e3)
+        if batch is not None and self.config.compute.simulated_compute_ms and not self.strategy.simulates_compute:
+            time.sleep(self.config.compute.simulated_compute_ms / 1e3)
         result = self.strategy.step(batch)
         if not result.applied:
             self.local_steps -= 1  # redone: the same step of this rank again
@@ -451,13 +454,13 @@ class Trainer:
         config, records = self.config, self.strategy.keeps_records
         self.loop_start = now()
         self.tensorboard = TensorBoardLog(self.run_dir.path / "tensorboard") \
-            if "tensorboard" in config.log and self.env.member == 0 else None
+            if "tensorboard" in config.records.log and self.env.member == 0 else None
         progress = self.progress = Progress(self.total_steps, self.step) \
-            if self.env.member == 0 and config.progress and not os.environ.get(NO_PROGRESS_ENV) else None
+            if self.env.member == 0 and config.records.progress and not os.environ.get(NO_PROGRESS_ENV) else None
         if self.recovery is not None:
-            self._say(self.recovery.restart_notice(config.max_restarts))
+            self._say(self.recovery.restart_notice(config.recovery.max_restarts))
         # Throughput and timing medians leave out the first steps (warm-up), unless that is all.
-        warm = min(config.warmup_steps_for_throughput, max(0, self.total_steps - self.step - 1))
+        warm = min(config.records.warmup_steps_for_throughput, max(0, self.total_steps - self.step - 1))
         start_step = self.step
         measure_from = (now(), self.step) if warm == 0 else None
         measured: dict[int, list[tuple[float, ...]]] = {}  # rank -> timings (floats only: no device tensors)
@@ -477,19 +480,19 @@ class Trainer:
                     measured_samples += result.samples
                 elif self.step - start_step >= warm:
                     measure_from = (now(), self.step)
-                if config.eval_every and self.step % config.eval_every == 0 and not done:
+                if config.records.eval_every and self.step % config.records.eval_every == 0 and not done:
                     spent = self._evaluate_now()  # not training time: left out of the throughput
                     window.start += spent
                     if measure_from is not None:
                         measure_from = (measure_from[0] + spent, measure_from[1])
-                if self.step % config.log_every == 0 or done:
+                if self.step % config.records.log_every == 0 or done:
                     final_loss = self._log(window)
                     window, self.logged_step = _Window(), self.step
-                if config.checkpoint_every and self.step % config.checkpoint_every == 0:
+                if config.checkpoint.checkpoint_every and self.step % config.checkpoint.checkpoint_every == 0:
                     self._checkpoint(final=done)
         except BaseException:
             # The process is about to exit: a checkpoint still being written is worth finishing.
-            self.checkpointer.finish_in_flight(min(30.0, config.collective_timeout_s))
+            self.checkpointer.finish_in_flight(min(30.0, config.recovery.collective_timeout_s))
             raise
         finally:
             if isinstance(self.loader, StreamLoader):
@@ -498,7 +501,7 @@ class Trainer:
                 progress.close()
             if self.tensorboard is not None:
                 self.tensorboard.close()
-        if records and (not config.checkpoint_every or self.step % config.checkpoint_every):
+        if records and (not config.checkpoint.checkpoint_every or self.step % config.checkpoint.checkpoint_every):
             self._checkpoint(final=True)
         self.checkpointer.wait()
         self.heartbeat.close()
@@ -508,8 +511,8 @@ class Trainer:
 
     # -- the end ------------------------------------------------------------------------------
     def _data_report(self) -> dict[str, Any]:
-        report: dict[str, Any] = {"workers": self.data_workers, "prefetch": self.config.data_prefetch,
-                                  "cache": self.config.data_cache, "transform": self.task.transform is not None,
+        report: dict[str, Any] = {"workers": self.data_workers, "prefetch": self.config.data.data_prefetch,
+                                  "cache": self.config.data.data_cache, "transform": self.task.transform is not None,
                                   "source": "memory"}
         if isinstance(self.train_data, ParquetData):
             report.update(source="parquet", files=len(self.train_data.files),
@@ -576,7 +579,7 @@ class Trainer:
             "restarts": self.env.attempt,
             "recovery": {**recovery_summary(self.run_dir.path), **strategy_report.pop("recovery", {})},
             "checkpoint": {
-                "async": self.config.async_checkpoint,
+                "async": self.config.checkpoint.async_checkpoint,
                 "saves_during_training": len(self.checkpoint_stalls_ms),
                 "stall_ms_p50": median(self.checkpoint_stalls_ms),
                 "stall_ms_max": max(self.checkpoint_stalls_ms, default=0.0),
@@ -595,8 +598,8 @@ class Trainer:
             "resumed_from_step": self.resumed_from,
             "resumed_from_world_size": self.resumed_world_size,
             "epochs": self.samples_seen / len(self.train_data),
-            "dtype": self.config.dtype,
-            "precision": self.config.precision,
+            "dtype": self.config.compute.dtype,
+            "precision": self.config.compute.precision,
             "mixed_precision": self.learners[0].precision_report() if self.learners else None,
             "device": str(self.env.device),
             "torch": torch.__version__,

@@ -31,17 +31,17 @@ class MemoryLimitExceeded(MlscaleError):
 
 def run_worker(config: TrainConfig, run_dir: RunDir, destroy_group: bool = True) -> dict[str, Any]:
     """Join the group, train, leave. Returns the report on rank 0 and ``{}`` elsewhere."""
-    env = init_distributed(config.device, config.collective_timeout_s, replicas=config.replica_groups)
+    env = init_distributed(config.compute.device, config.recovery.collective_timeout_s, replicas=config.replica_groups)
     try:
-        with memory_limit(config.memory_limit_mb, env.device):
+        with memory_limit(config.compute.memory_limit_mb, env.device):
             report = Trainer(config, env, run_dir).run()
     except JobFinished as exc:
         print(f"mlscale: {exc}; leaving", file=sys.stderr, flush=True)
         return {}  # its peers are gone: no barrier to wait at
     except Exception as exc:
-        if config.memory_limit_mb is not None and is_out_of_memory(exc):
+        if config.compute.memory_limit_mb is not None and is_out_of_memory(exc):
             raise MemoryLimitExceeded(
-                f"rank {env.rank} ran out of its {config.memory_limit_mb:g} MB (--memory-limit-mb): "
+                f"rank {env.rank} ran out of its {config.compute.memory_limit_mb:g} MB (--memory-limit-mb): "
                 f"{first_line(exc)} One process cannot hold this model's training state (parameters, gradients, "
                 "optimizer state, activations) within the limit: shard it over N processes with --strategy fsdp "
                 "--workers N, or split the model with --strategy pipeline --stages P --workers P") from exc

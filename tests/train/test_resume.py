@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -142,3 +143,19 @@ def test_resume_refuses_when_every_checkpoint_is_damaged_instead_of_starting_ove
     result = run_cli("train", "--run-dir", str(run_dir), "--steps", "30", "--resume")
     assert result.returncode == 1 and "all 2 are damaged" in result.stderr, result.stderr
     assert json.loads((run_dir / "report.json").read_text())["steps"] == 20  # the run directory kept
+
+
+def test_a_run_directory_of_the_flat_configuration_of_earlier_versions_resumes(tmp_path):
+    """``config.json`` as earlier versions wrote it (one flat table; tests/train/data holds one written by
+    them) still resumes, keeps its values, and is rewritten in the nested form."""
+    run_dir = tmp_path / "run"
+    flat = json.loads((Path(__file__).parent / "data" / "config-flat-v0.json").read_text())
+    flat.update(run_dir=str(run_dir), workers=1)
+    fit(TrainConfig(**{**flat, "steps": 10}))  # the same options, given flat to the API
+    (run_dir / "config.json").write_text(json.dumps(flat))  # the earlier version's file
+    stop_at(run_dir, 10)
+    report = fit(TrainConfig(run_dir=str(run_dir), steps=20, resume=True))
+    assert report["status"] == "completed" and report["steps"] == 20 and report["resumed_from_step"] == 10
+    saved = json.loads((run_dir / "config.json").read_text())
+    assert saved["optim"]["momentum"] == 0.5 and saved["optim"]["lr"] == 0.1 and saved["data"]["data_cache"] == "memory"
+    assert saved["steps"] == 20 and saved["batch_size"] == 16

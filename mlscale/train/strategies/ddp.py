@@ -78,21 +78,19 @@ def comm_hook(compress: str, process_group: Any) -> tuple[Callable[..., Any], An
 class DDPStrategy(ReplicaStrategy):
     name = "ddp"
     replicated = True
-    compresses = True
-    compiles = True
 
     @classmethod
     def check(cls, config: TrainConfig, world: int) -> None:
-        if config.compress == "powersgd" and config.precision == "fp16":
+        if config.ddp.compress == "powersgd" and config.compute.precision == "fp16":
             raise UsageError("bad value compress='powersgd': with --precision fp16 the all-reduced gradients are "
                              "loss-scaled, and one overflow would poison PowerSGD's error feedback for good; use "
                              "--precision bf16, or fp16 compression")
 
     def wrap(self, model: nn.Module) -> nn.Module:
         device_ids = [self.env.device] if self.env.device.type == "cuda" else None
-        module = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=self.config.bucket_mb)
-        hook, inner = comm_hook(self.config.compress, None)
-        self.comm_state = CommState(self.comm, hook, inner, self.config.compress)
+        module = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=self.config.ddp.bucket_mb)
+        hook, inner = comm_hook(self.config.ddp.compress, None)
+        self.comm_state = CommState(self.comm, hook, inner, self.config.ddp.compress)
         module.register_comm_hook(self.comm_state, _timed_hook)
         return module
 
@@ -103,9 +101,9 @@ class DDPStrategy(ReplicaStrategy):
         return {"communication": {"allreduce_buckets": self.comm.calls,  # counted by the comm hook
                                   "allreduce_buckets_per_step": self.comm.calls / steps if steps else 0.0,
                                   "bytes_sent": sent_bytes, "bytes_sent_per_step": sent_bytes / steps if steps else 0.0,
-                                  "compress": self.config.compress, "bucket_mb": self.config.bucket_mb,
+                                  "compress": self.config.ddp.compress, "bucket_mb": self.config.ddp.bucket_mb,
                                   "grad_accum": self.config.grad_accum},
-                "compile": {"enabled": self.config.compile, "first_step_ms": self.first_step_ms}}
+                "compile": {"enabled": self.config.ddp.compile, "first_step_ms": self.first_step_ms}}
 
     def synchronising(self, sync: bool) -> contextlib.AbstractContextManager[object]:
         if sync or not isinstance(self.module, DistributedDataParallel):

@@ -249,18 +249,16 @@ class PerStep:
     joins rank r of every group for the cross-group gradient average and for live recovery."""
 
     recovers_live = True
-    compresses = False
-    compiles = False
 
     @classmethod
     def world_size(cls, config: TrainConfig) -> int:
-        return config.group_size  # processes per replica group; --workers counts the groups
+        return config.torchft.group_size  # processes per replica group; --workers counts the groups
 
     @classmethod
     def check(cls, config: TrainConfig, world: int) -> None:
         super().check(config, world)  # type: ignore[misc]
-        if world != config.group_size:
-            raise UsageError(f"bad value group-size={config.group_size}: per-step fault tolerance runs replica "
+        if world != config.torchft.group_size:
+            raise UsageError(f"bad value group-size={config.torchft.group_size}: per-step fault tolerance runs replica "
                              f"groups of --group-size processes, but this group has {world} (WORLD_SIZE); start "
                              "one torchrun per group with its own REPLICA_GROUP_ID (mlscale train --workers N does "
                              "this on one machine)")
@@ -269,10 +267,10 @@ class PerStep:
         except ImportError:
             raise UsageError("bad value fault-tolerance='per-step': needs torchft (pip install "
                              "'mlscale[ft]')") from None
-        if config.min_replicas > config.workers:
-            raise UsageError(f"bad value min-replicas={config.min_replicas}: more than the {config.workers} replica "
-                             "group(s) of --workers; no step could ever commit")
-        if under_launcher() and not (config.lighthouse or os.environ.get(LIGHTHOUSE_ENV)):
+        if config.torchft.min_replicas > config.workers:
+            raise UsageError(f"bad value min-replicas={config.torchft.min_replicas}: more than the "
+                             f"{config.workers} replica group(s) of --workers; no step could ever commit")
+        if under_launcher() and not (config.torchft.lighthouse or os.environ.get(LIGHTHOUSE_ENV)):
             raise UsageError("bad value lighthouse=None: under your own torchrun, per-step fault tolerance needs the "
                              "torchft lighthouse's address (--lighthouse http://HOST:29510; run torchft_lighthouse "
                              "there)")
@@ -280,12 +278,6 @@ class PerStep:
             raise UsageError(f"bad value {TOKEN_ENV}=None: under your own torchrun, per-step fault tolerance needs the "
                              "job's secret, the same on every host (e.g. python -c 'import secrets; "
                              "print(secrets.token_urlsafe(32))'): a replacement's state transfer must carry it")
-        if "tensorboard" in config.log:
-            raise UsageError("bad value log='tensorboard': under per-step fault tolerance the group that writes the "
-                             "records changes with the quorum; read metrics.jsonl instead")
-        if config.bucket_mb != TrainConfig.model_fields["bucket_mb"].default:
-            raise UsageError(f"bad value bucket-mb={config.bucket_mb:g}: under per-step fault tolerance the gradients "
-                             "are averaged across groups in one all-reduce per step (torchft's), not in DDP buckets")
 
     def setup(self, setup: Setup) -> None:
         super().setup(setup)  # type: ignore[misc]
@@ -321,7 +313,7 @@ class PerStep:
         ready = Path(self.config.run_dir or ".") / "logs" / "ready" / launch
         ready.mkdir(parents=True, exist_ok=True)
         (ready / f"member{self.env.member}").touch()
-        wait_s = self.config.collective_timeout_s
+        wait_s = self.config.recovery.collective_timeout_s
         deadline, since = time.monotonic() + wait_s, time.time() - wait_s  # older files: an earlier start's
         everyone = self.replicas_total * self.env.world_size
         while time.monotonic() < deadline:
@@ -335,7 +327,7 @@ class PerStep:
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
         _quiet_torchft(self.log_path.with_suffix(".torchft.log"))
-        timeout = timedelta(seconds=self.config.collective_timeout_s)
+        timeout = timedelta(seconds=self.config.recovery.collective_timeout_s)
         group_type = _members_mixin(ProcessGroupNCCL if self.env.device.type == "cuda" else ProcessGroupGloo)
         self.group = group_type(timeout=timeout)
         host = bind_host()
@@ -343,9 +335,9 @@ class PerStep:
         with _manager_server_on(host):
             self.manager = Manager(
                 pg=self.group, load_state_dict=self._load_live_state, state_dict=self._live_state,
-                min_replica_size=self.config.min_replicas, use_async_quorum=False, timeout=timeout,
+                min_replica_size=self.config.torchft.min_replicas, use_async_quorum=False, timeout=timeout,
                 quorum_timeout=timeout, rank=self.env.rank, world_size=self.env.world_size,
-                lighthouse_addr=self.config.lighthouse or os.environ[LIGHTHOUSE_ENV],  # checked before the start
+                lighthouse_addr=self.config.torchft.lighthouse or os.environ[LIGHTHOUSE_ENV],  # checked
                 replica_id=f"replica_{self.env.replica}", hostname=host or socket.gethostname(),
                 checkpoint_transport=transport, init_sync=False, max_retries=10)
         self.manager.load_state_dict({"step": self.steps_done, "batches_committed": self.steps_done})
@@ -485,7 +477,7 @@ class PerStep:
         report["fault_tolerance"] = {
             "mode": "per-step", "engine": "torchft", "replicas": self.replicas_total,
             "group_size": self.env.world_size,
-            "min_replicas": self.config.min_replicas, "quorum_ms_p50": median(self.quorum_ms),
+            "min_replicas": self.config.torchft.min_replicas, "quorum_ms_p50": median(self.quorum_ms),
             "steps_discarded_here": self.discarded}
         report["recovery"] = {
             "degraded_steps": [{"steps": [first, last], "participants": members}
@@ -509,9 +501,9 @@ class PerStepDDPStrategy(PerStep, DDPStrategy):
 
     @classmethod
     def check(cls, config: TrainConfig, world: int) -> None:
-        if config.group_size != 1:
-            raise UsageError(f"bad value group-size={config.group_size}: under --strategy ddp a replica group is "
-                             "one process; --strategy fsdp shards the model over a group of several (HSDP)")
+        if config.torchft.group_size != 1:
+            raise UsageError(f"bad value group-size={config.torchft.group_size}: under --strategy ddp a replica "
+                             "group is one process; --strategy fsdp shards the model over a group of several (HSDP)")
         super().check(config, world)
 
 

@@ -57,30 +57,27 @@ class PipelineStrategy(OneModuleState, Strategy):
 
     @classmethod
     def data_shards(cls, config: TrainConfig, world: int) -> list[int | None]:
-        return [rank // config.stages for rank in range(world)]  # every stage of a replica: its shard
+        return [rank // config.pipeline.stages for rank in range(world)]  # every stage of a replica: its shard
 
     @classmethod
     def check(cls, config: TrainConfig, world: int) -> None:
-        if config.stages < 2:
-            raise UsageError(f"bad value stages={config.stages}: a pipeline needs at least 2 stages")
-        if world % config.stages:
+        if config.pipeline.stages < 2:
+            raise UsageError(f"bad value stages={config.pipeline.stages}: a pipeline needs at least 2 stages")
+        if world % config.pipeline.stages:
             raise UsageError(f"bad value workers={world}: --strategy pipeline needs a multiple of --stages "
-                             f"{config.stages} processes (workers = stages x data-parallel replicas)")
-        if config.batch_size % config.microbatches:
-            raise UsageError(f"bad value microbatches={config.microbatches}: must divide --batch-size "
+                             f"{config.pipeline.stages} processes (workers = stages x data-parallel replicas)")
+        if config.batch_size % config.pipeline.microbatches:
+            raise UsageError(f"bad value microbatches={config.pipeline.microbatches}: must divide --batch-size "
                              f"{config.batch_size} (equal microbatches keep the step equal to the whole batch's)")
-        if config.grad_accum > 1:
-            raise UsageError(f"bad value grad-accum={config.grad_accum}: a pipeline accumulates over its "
-                             "--microbatches already; raise those (and --batch-size) instead")
-        if config.schedule == "1f1b" and config.microbatches < config.stages:
-            raise UsageError(f"bad value microbatches={config.microbatches}: 1f1b needs at least one microbatch per "
-                             f"stage ({config.stages}); use more or --schedule gpipe")
-        if config.precision == "fp16":
+        if config.pipeline.schedule == "1f1b" and config.pipeline.microbatches < config.pipeline.stages:
+            raise UsageError(f"bad value microbatches={config.pipeline.microbatches}: 1f1b needs at least one "
+                             f"microbatch per stage ({config.pipeline.stages}); use more or --schedule gpipe")
+        if config.compute.precision == "fp16":
             raise UsageError("bad value precision='fp16': pipeline schedules do not scale losses; use bf16 or fp32")
 
     @classmethod
     def check_model(cls, config: TrainConfig, model: nn.Module, world: int) -> None:
-        plan_stages(model, config.stages)
+        plan_stages(model, config.pipeline.stages)
 
     @property
     def simulates_compute(self) -> bool:
@@ -91,31 +88,31 @@ class PipelineStrategy(OneModuleState, Strategy):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         config, env = self.config, self.env
-        self.stages, self.microbatches = config.stages, config.microbatches
+        self.stages, self.microbatches = config.pipeline.stages, config.pipeline.microbatches
         self.replica, self.stage_index = divmod(env.rank, self.stages)
         self.first, self.last = self.stage_index == 0, self.stage_index == self.stages - 1
         self.build_plain, self.loss_fn = setup.build_model, setup.loss_fn
         self.total_steps, self.steps_done, self.global_batch = setup.total_steps, setup.start_step, setup.global_batch
         mesh = init_device_mesh(env.device.type, (env.world_size // self.stages, self.stages),
                                 mesh_dim_names=("dp", "pp"))
-        self.control = dist.new_group(backend="gloo", timeout=timedelta(seconds=config.collective_timeout_s))
+        self.control = dist.new_group(backend="gloo", timeout=timedelta(seconds=config.recovery.collective_timeout_s))
         self.plan: StagePlan = plan_stages(setup.model, self.stages)
         if env.is_main:
             print(f"mlscale: pipeline of {self.stages} stages x {self.shards} replica(s), {self.microbatches} "
-                  f"microbatches, {config.schedule}: {self.plan.describe()}", file=sys.stderr, flush=True)
+                  f"microbatches, {config.pipeline.schedule}: {self.plan.describe()}", file=sys.stderr, flush=True)
         self.stage_model = keep_stage(setup.model, self.plan, self.stage_index)
         self.module: nn.Module = self.stage_model
         if self.shards > 1:
             device_ids = [env.device] if env.device.type == "cuda" else None
             self.module = DistributedDataParallel(self.stage_model, device_ids=device_ids,
                                                   process_group=mesh["dp"].get_group())
-        if config.simulated_compute_ms:
-            per_microbatch = config.simulated_compute_ms / 1e3 / self.microbatches
+        if config.compute.simulated_compute_ms:
+            per_microbatch = config.compute.simulated_compute_ms / 1e3 / self.microbatches
             self.stage_model.register_forward_hook(
                 lambda _m, _i, out: _SimulatedWork.apply(out, per_microbatch / 3, 2 * per_microbatch / 3))
         self.learner: Learner = setup.make_learner(self.module.parameters())
         stage = PipelineStage(self.module, self.stage_index, self.stages, env.device, group=mesh["pp"].get_group())
-        schedule = ScheduleGPipe if config.schedule == "gpipe" else Schedule1F1B
+        schedule = ScheduleGPipe if config.pipeline.schedule == "gpipe" else Schedule1F1B
         self.schedule = schedule(stage, n_microbatches=self.microbatches, loss_fn=self.loss_fn)
 
     # -- the step ----------------------------------------------------------------------------------
@@ -166,6 +163,6 @@ class PipelineStrategy(OneModuleState, Strategy):
 
     def report(self) -> dict[str, Any]:
         return {"pipeline": {"stages": self.stages, "microbatches": self.microbatches,
-                             "schedule": self.config.schedule, "replicas": self.shards,
+                             "schedule": self.config.pipeline.schedule, "replicas": self.shards,
                              "split": self.plan.describe(), "stage_params": self.plan.params,
                              "ideal_bubble": (self.stages - 1) / (self.microbatches + self.stages - 1)}}

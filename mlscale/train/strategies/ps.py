@@ -55,38 +55,35 @@ class ParameterServerStrategy(Strategy):
 
     @classmethod
     def world_size(cls, config: TrainConfig) -> int:
-        return config.workers + config.ps_servers
+        return config.workers + config.ps.ps_servers
 
     @classmethod
     def data_shards(cls, config: TrainConfig, world: int) -> list[int | None]:
-        return [None] * config.ps_servers + list(range(world - config.ps_servers))
+        return [None] * config.ps.ps_servers + list(range(world - config.ps.ps_servers))
 
     @classmethod
     def check(cls, config: TrainConfig, world: int) -> None:
-        if world <= config.ps_servers:
-            raise UsageError(f"bad value ps-servers={config.ps_servers}: a world of {world} process(es) leaves no "
+        if world <= config.ps.ps_servers:
+            raise UsageError(f"bad value ps-servers={config.ps.ps_servers}: a world of {world} process(es) leaves no "
                              "worker (the job needs workers + ps-servers processes)")
-        workers = world - config.ps_servers
-        if config.backup_workers and config.sync != "bsp":
-            raise UsageError(f"bad value backup-workers={config.backup_workers}: backup workers need --sync bsp "
-                             f"(got {config.sync})")
-        if config.backup_workers >= workers:
-            raise UsageError(f"bad value backup-workers={config.backup_workers}: must be fewer than the {workers} "
+        workers = world - config.ps.ps_servers
+        if config.ps.backup_workers and config.ps.sync != "bsp":
+            raise UsageError(f"bad value backup-workers={config.ps.backup_workers}: backup workers need --sync bsp "
+                             f"(got {config.ps.sync})")
+        if config.ps.backup_workers >= workers:
+            raise UsageError(f"bad value backup-workers={config.ps.backup_workers}: must be fewer than the {workers} "
                              "worker(s)")
-        if config.device != "cpu" and torch.cuda.is_available() and world > torch.cuda.device_count():
+        if config.compute.device != "cpu" and torch.cuda.is_available() and world > torch.cuda.device_count():
             raise UsageError(f"bad value workers={workers}: with --strategy ps every process needs a GPU of its "
-                             f"own, and {workers} worker(s) + {config.ps_servers} server(s) exceed the "
+                             f"own, and {workers} worker(s) + {config.ps.ps_servers} server(s) exceed the "
                              f"{torch.cuda.device_count()} GPU(s) here")
-        if config.grad_accum > 1:
-            raise UsageError(f"bad value grad-accum={config.grad_accum}: parameter server workers push every "
-                             "gradient; use a larger --batch-size")
-        if config.precision == "fp16":
+        if config.compute.precision == "fp16":
             raise UsageError("bad value precision='fp16': the parameter server does not scale losses; use bf16 "
                              "or fp32")
 
     def __init__(self, env: Any, config: TrainConfig) -> None:
         super().__init__(env, config)
-        self.servers = config.ps_servers
+        self.servers = config.ps.ps_servers
         self.workers = env.world_size - self.servers
         self.is_server = env.rank < self.servers
 
@@ -99,7 +96,7 @@ class ParameterServerStrategy(Strategy):
         if any(b.is_floating_point() for b in setup.model.buffers()):
             raise UsageError("the parameter server does not synchronise buffers (BatchNorm statistics, say); "
                              "use --strategy ddp for this model")
-        timeout = timedelta(seconds=self.config.collective_timeout_s)
+        timeout = timedelta(seconds=self.config.recovery.collective_timeout_s)
         # Every rank creates every group, in the same order, as torch.distributed requires.
         self.control = dist.new_group(backend="gloo", timeout=timeout)
         self.server_group = (dist.new_group(ranks=list(range(self.servers)), backend="gloo", timeout=timeout)
@@ -179,7 +176,7 @@ class ParameterServerStrategy(Strategy):
 
     @classmethod
     def checkpoint_ranks(cls, config: TrainConfig, world: int) -> list[int]:
-        return list(range(config.ps_servers))  # each server writes its shard; workers hold no state of their own
+        return list(range(config.ps.ps_servers))  # each server writes its shard; workers hold no state of their own
 
     def _own_names(self) -> set[str]:
         return {self.names[i] for i in self.shards[self.env.rank]}

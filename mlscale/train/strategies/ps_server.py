@@ -117,8 +117,8 @@ class Sequencer:
         self.config, self.shard, self.group, self.workers = config, shard, group, workers
         self.total_steps, self.round, self.batch_size = total_steps, start_step, batch_size
         self.leader = shard.env.rank == 0
-        self.bsp = config.sync == "bsp"
-        self.needed = workers - config.backup_workers  # gradients a bsp step applies
+        self.bsp = config.ps.sync == "bsp"
+        self.needed = workers - config.ps.backup_workers  # gradients a bsp step applies
         self.applied, self.dropped, self.samples_dropped, self.discarded_at_end = 0, 0, 0, 0
         self.in_round = 0  # ssp, async: gradients applied towards the current global step
         # Two views of how stale an applied gradient was. ``staleness``: how many steps its worker was
@@ -254,7 +254,7 @@ class Sequencer:
         slowest = min(self.clock)
         for other in sorted(self.waiting):
             ahead = self.clock[other] - slowest
-            if finished or self.config.sync == "async" or ahead <= self.config.staleness:
+            if finished or self.config.ps.sync == "async" or ahead <= self.config.ps.staleness:
                 self.next_staleness[other] = ahead
                 self._release(other, done=finished)
                 self.waiting.discard(other)
@@ -282,10 +282,10 @@ class Sequencer:
     def summary(self) -> dict[str, Any]:
         gaps = [(b - a) * 1e3 for a, b in zip(self.step_ends, self.step_ends[1:])]
         return {
-            "sync": self.config.sync,
-            "staleness_bound": self.config.staleness if self.config.sync == "ssp" else None,
-            "servers": self.config.ps_servers,
-            "backup_workers": self.config.backup_workers,
+            "sync": self.config.ps.sync,
+            "staleness_bound": self.config.ps.staleness if self.config.ps.sync == "ssp" else None,
+            "servers": self.config.ps.ps_servers,
+            "backup_workers": self.config.ps.backup_workers,
             "gradients_applied": self.applied,
             "gradients_dropped": self.dropped,
             "samples_dropped": self.samples_dropped,

@@ -23,16 +23,13 @@ class ReplicaStrategy(OneModuleState, Strategy):
     """Subclasses implement ``wrap``; with one process the plain model trains unwrapped."""
 
     replicated: ClassVar[bool] = False  # every rank holds the whole model (ddp), else it is split
-    clips_globally = True
-    evaluates_during_training = True
-    backward_through_learner = True
 
     def wrap(self, model: nn.Module) -> nn.Module:
         return model
 
     def setup(self, setup: Setup) -> None:
         self.plain, self.build_plain = setup.model, setup.build_model
-        if self.config.compile:  # in place: the module, its parameters and their names stay the same
+        if self.config.ddp.compile:  # in place: the module, its parameters and their names stay the same
             setup.model.compile()
         self.module: nn.Module = self.wrap(setup.model) if self.env.distributed else setup.model
         self.learner: Learner = setup.make_learner(self.module.parameters())

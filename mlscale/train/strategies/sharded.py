@@ -42,11 +42,10 @@ class TensorParallelStrategy(ReplicaStrategy):
     name = "tp"
     # The split layers' parameters are DTensors, the rest (embeddings, norms, head) plain tensors, and
     # torch's foreach kernels behind clip_grad_norm_ and the fp16 scaler's unscale refuse the mix.
-    clips_globally = False
 
     @classmethod
     def check(cls, config: TrainConfig, world: int) -> None:
-        if config.precision == "fp16":
+        if config.compute.precision == "fp16":
             raise UsageError("bad value precision='fp16': the loss scaler cannot unscale tp's mix of split "
                              "(DTensor) and replicated gradients; use bf16 or fp32")
 
