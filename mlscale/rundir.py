@@ -21,6 +21,7 @@ class RunDir:
         self.path = Path(path)
 
     config_path = property(lambda self: self.path / "config.json")
+    plan_path = property(lambda self: self.path / "plan.json")  # the job plan (mlscale.train.plan)
     metrics_path = property(lambda self: self.path / "metrics.jsonl")
     report_path = property(lambda self: self.path / "report.json")
     checkpoints = property(lambda self: self.path / "checkpoints")

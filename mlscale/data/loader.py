@@ -13,6 +13,7 @@ import torch
 
 from mlscale.data.sampler import shard_indices
 from mlscale.data.tensors import TensorData
+from mlscale.errors import UsageError
 
 
 @dataclass
@@ -28,14 +29,20 @@ def steps_per_epoch(size: int, world: int, batch_size: int) -> int:
     return (size // world) // batch_size
 
 
+def check_a_batch_fits(size: int, world: int, batch_size: int, source: str = "the data set") -> None:
+    """Refuse, in one line naming ``--batch-size``, shards too small to give every worker one batch an
+    epoch: the one check of it, made by the job's plan before any process starts and by the loaders."""
+    if steps_per_epoch(size, world, batch_size) == 0:
+        raise UsageError(f"bad value batch-size={batch_size}: {batch_size} per worker x {world} worker(s) is more "
+                         f"than the {size:,} training samples of {source}")
+
+
 class ShardLoader:
     """Yields ``(inputs, targets)`` batches of this rank's shard, epoch after epoch, forever."""
 
     def __init__(self, data: TensorData, *, rank: int, world: int, batch_size: int, seed: int,
                  position: Position | None = None) -> None:
-        if steps_per_epoch(len(data), world, batch_size) == 0:
-            raise ValueError(
-                f"batch size {batch_size} x {world} workers is larger than the data set ({len(data)} samples)")
+        check_a_batch_fits(len(data), world, batch_size)
         self.data, self.rank, self.world = data, rank, world
         self.batch_size, self.seed = batch_size, seed
         self.position = position or Position()

@@ -28,7 +28,7 @@ from typing import Any, Literal, Protocol
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from mlscale.data.loader import Position, steps_per_epoch
+from mlscale.data.loader import Position, check_a_batch_fits
 from mlscale.data.sampler import shard_indices
 from mlscale.data.tensors import TensorData
 from mlscale.io import atomic_write_json
@@ -190,9 +190,7 @@ class PipelineLoader(StreamLoader):
                  position: Position | None = None, workers: int = 0, prefetch: int = 2,
                  transform: Transform | None = None, cache: CacheKind = "none", cache_dir: Path | None = None,
                  cache_key: str = "", pin_memory: bool = False) -> None:
-        if steps_per_epoch(len(data), world, batch_size) == 0:
-            raise ValueError(
-                f"batch size {batch_size} x {world} workers is larger than the data set ({len(data)} samples)")
+        check_a_batch_fits(len(data), world, batch_size)
         position = position or Position()
         super().__init__(_Samples(data, transform, cache, cache_dir, cache_key),
                          _Batches(len(data), rank, world, batch_size, seed, position), position,

@@ -26,6 +26,7 @@ def render_training_job(*, config_path: str | None, nodes: int, image: str, name
     """The Job for ``mlscale train --config CONFIG`` on ``nodes`` pods, and notes on what it implies.
     ``options``: the other fields of ``TrainingJob``; ``max_restarts`` defaults to the config's."""
     from mlscale.config import build_config
+    from mlscale.train.plan import plan_job
     from mlscale.train.strategies import strategy_for
 
     config = build_config(config_path)
@@ -44,7 +45,8 @@ def render_training_job(*, config_path: str | None, nodes: int, image: str, name
         nodes=nodes, config_text=_read(config_path) if config_path else NO_CONFIG,
         config_file=config_file_name(config_path),
         max_restarts=config.recovery.max_restarts if max_restarts is None else max_restarts, **options)
-    strategy_for(config).check(config, job.world_size)
+    plan = plan_job(config, world=job.world_size)  # the layout the pods will run (the data is read there)
+    strategy_for(config).check(config, plan.world)
     notes = []
     if "workers" in config.model_fields_set and config.workers != job.world_size:
         notes.append(f"the config's workers = {config.workers} is not used: torchrun starts {job.world_size} "

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from mlscale.config import TrainConfig, flatten, merged, validated
-from mlscale.data import steps_per_epoch
+from mlscale.data.loader import check_a_batch_fits
 from mlscale.data.parquet import ParquetData, check_shardable
 from mlscale.data.tensors import TensorData
 from mlscale.errors import UsageError, WorkerFailed
@@ -27,10 +27,11 @@ from mlscale.rundir import RunDir
 from mlscale.tasks import make_task
 from mlscale.train.checkpoint import Checkpointer
 from mlscale.train.dist import LOCAL_HOST, member_from_environ, private_environment, stores_listening_on, under_launcher
+from mlscale.train.plan import JobPlan, plan_job
 from mlscale.train.recovery import KNOCK_ON
 from mlscale.train.replica_groups import launch_replica_groups
 from mlscale.train.strategies import strategy_for
-from mlscale.train.trainer import JOB_START_ENV, total_steps
+from mlscale.train.trainer import JOB_START_ENV
 from mlscale.train.worker import run_worker, save_traceback, traceback_path
 
 _TIMEOUT = re.compile(r"timed out|timeout", re.I)
@@ -47,30 +48,27 @@ def fit(config: TrainConfig, *, keep_group: bool = False) -> dict[str, Any]:
         # Under torchrun every rank does this; rank 0 rewrites config.json atomically with the same
         # merge, so a rank reading it before or after the rewrite gets the same configuration.
         config = resumed_config(config)
-    strategy = strategy_for(config)
     task = make_task(config.task, config.task_options)  # fail fast, with exit 2, on a bad task
-    world = int(os.environ["WORLD_SIZE"]) if under_launcher() and "WORLD_SIZE" in os.environ \
-        else strategy.world_size(config)
-    check_job(config, task.train, world, task.build_model)
+    plan = plan_job(config, data=task.train)  # the one place the job's layout and length are worked out
+    check_job(config, plan, task.train, task.build_model)
     if config.run_dir is None:
         config = config.model_copy(update={"run_dir": default_run_dir(config.task)})
     run_dir = RunDir(config.run_dir)
     os.environ.setdefault(JOB_START_ENV, str(time.time()))
     if under_launcher():
-        return _run_here(config, run_dir, rank=member_from_environ(config.replica_groups), keep_group=keep_group)
+        return _run_here(config, plan, run_dir, rank=member_from_environ(plan.replica_groups), keep_group=keep_group)
     with _unchanged_unless_it_trains(run_dir):
-        _prepare(config, run_dir)
-        if config.per_step:
-            shards = strategy.replicas(config, world) * config.replica_groups
+        _prepare(config, plan, run_dir)
+        if plan.fault_tolerance == "per-step":
             try:
-                launch_replica_groups(config, run_dir, total_steps(config, task.train, shards))
+                launch_replica_groups(config, run_dir, plan.total_steps)
             except WorkerFailed as exc:
-                _write_failed_report(config, run_dir, exc.rank, str(exc).splitlines()[0])
+                _write_failed_report(config, plan, run_dir, exc.rank, str(exc).splitlines()[0])
                 raise
-        elif world == 1:
-            return _run_here(config, run_dir, rank=0)
+        elif plan.world == 1:
+            return _run_here(config, plan, run_dir, rank=0)
         else:
-            _launch_local(config, run_dir, world)
+            _launch_local(config, plan, run_dir)
     return run_dir.read_report()
 
 
@@ -78,12 +76,11 @@ def check_only(config: TrainConfig) -> str:
     """What ``fit`` checks before a worker starts, for a job of ``$WORLD_SIZE`` processes when set (the
     torchrun variable: how a Kubernetes Job's check container sizes it), else of ``--workers``.
     Returns a one-line summary; a mistake is a ``UsageError``."""
-    strategy = strategy_for(config)
     task = make_task(config.task, config.task_options)
     given = os.environ.get("WORLD_SIZE", "")
-    world = int(given) if given.isdigit() and int(given) > 0 else strategy.world_size(config)
-    check_job(config, task.train, world, task.build_model)
-    return (f"ok: task {config.task}, strategy {config.strategy}, {world} process(es), "
+    plan = plan_job(config, world=int(given) if given.isdigit() and int(given) > 0 else None, data=task.train)
+    check_job(config, plan, task.train, task.build_model)
+    return (f"ok: task {config.task}, strategy {config.strategy}, {plan.processes} process(es), "
             f"{len(task.train):,} training samples")
 
 
@@ -106,7 +103,8 @@ def _unchanged_unless_it_trains(run_dir: RunDir) -> Iterator[None]:
     """A start that fails before its first checkpoint leaves the run directory's files as they were:
     ``config.json`` (rewritten by ``_prepare`` for the workers to read) and ``report.json`` (a failed
     job writes one) are put back. Once training has checkpointed, the failure is part of the run."""
-    kept = {path: path.read_bytes() for path in (run_dir.config_path, run_dir.report_path) if path.exists()}
+    files = (run_dir.config_path, run_dir.report_path, run_dir.plan_path)
+    kept = {path: path.read_bytes() for path in files if path.exists()}
     newest = Checkpointer(run_dir.checkpoints).latest()
     try:
         yield
@@ -114,16 +112,19 @@ def _unchanged_unless_it_trains(run_dir: RunDir) -> Iterator[None]:
         if kept and Checkpointer(run_dir.checkpoints).latest() == newest:
             for path, data in kept.items():
                 atomic_write(path, lambda tmp, data=data: tmp.write_bytes(data))
+            for path in files:
+                if path not in kept:
+                    path.unlink(missing_ok=True)
         raise
 
 
-def check_job(config: TrainConfig, data: TensorData | ParquetData, world: int,
+def check_job(config: TrainConfig, plan: JobPlan, data: TensorData | ParquetData,
               build_model: Callable[[], Any] | None = None) -> None:
     """Everything about the job that can be checked before a worker starts: a mistake is one line and
     exit 2 here, not a worker's traceback later."""
     import torch
 
-    strategy = strategy_for(config)
+    strategy, world = strategy_for(config), plan.world
     strategy.check(config, world)
     if "tensorboard" in config.records.log:
         try:
@@ -139,16 +140,14 @@ def check_job(config: TrainConfig, data: TensorData | ParquetData, world: int,
             model = None
         if model is not None:
             strategy.check_model(config, model, world)
-    groups = config.replica_groups  # of `world` processes each
-    workers = strategy.replicas(config, world) * groups
+    groups, workers = plan.replica_groups, plan.data_shards
     if config.per_step and isinstance(data, ParquetData):
         raise UsageError("bad value fault-tolerance='per-step': Parquet data is not built for it yet (a replica "
                          "takes the batch of the quorum's step from its shard); use in-memory data, or restart")
     if isinstance(data, ParquetData):
         check_shardable(data, workers, config.step_batch, config.seed)
-    elif steps_per_epoch(len(data), workers, config.step_batch) == 0:
-        raise UsageError(f"bad value batch-size={config.batch_size}: {config.batch_size} per worker x {workers} "
-                         f"worker(s) is more than the {len(data):,} training samples of task {config.task!r}")
+    else:
+        check_a_batch_fits(len(data), workers, config.step_batch, source=f"task {config.task!r}")
     for fault in config.recovery.faults:
         if fault.aims_at_rank and fault.rank >= world * groups:
             raise UsageError(f"bad value fault={fault.spec!r}: rank {fault.rank} does not exist with {world * groups} "
@@ -169,7 +168,7 @@ def default_run_dir(task: str) -> str:
     return f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{safe_task}"
 
 
-def _prepare(config: TrainConfig, run_dir: RunDir) -> None:
+def _prepare(config: TrainConfig, plan: JobPlan, run_dir: RunDir) -> None:
     checkpoints = Checkpointer(run_dir.checkpoints)
     has_checkpoint = checkpoints.latest() is not None or bool(checkpoints.legacy_files())  # legacy: refused later
     if config.resume and not has_checkpoint:
@@ -179,14 +178,17 @@ def _prepare(config: TrainConfig, run_dir: RunDir) -> None:
     if not config.resume and not failed_at_start and (has_checkpoint or run_dir.report_path.exists()):
         raise UsageError(f"bad value run-dir={config.run_dir!r}: it already holds a run; "
                          "add --resume to continue it or choose another --run-dir")
-    run_dir.write_config(config.model_dump())
+    run_dir.write_config(config.model_dump(mode="json"))
+    plan.write(run_dir.plan_path)
 
 
-def _run_here(config: TrainConfig, run_dir: RunDir, rank: int, keep_group: bool = False) -> dict[str, Any]:
+def _run_here(config: TrainConfig, plan: JobPlan, run_dir: RunDir, rank: int,
+              keep_group: bool = False) -> dict[str, Any]:
     if rank == 0 and under_launcher():
-        run_dir.write_config(config.model_dump())
+        run_dir.write_config(config.model_dump(mode="json"))
+        plan.write(run_dir.plan_path)
     try:
-        return run_worker(config, run_dir, destroy_group=not keep_group)
+        return run_worker(config, run_dir, plan, destroy_group=not keep_group)
     except (KeyboardInterrupt, UsageError):
         raise
     except Exception as exc:
@@ -195,7 +197,7 @@ def _run_here(config: TrainConfig, run_dir: RunDir, rank: int, keep_group: bool 
                            f"  traceback: {path}", rank=rank) from None
 
 
-def _launch_local(config: TrainConfig, run_dir: RunDir, world: int) -> None:
+def _launch_local(config: TrainConfig, plan: JobPlan, run_dir: RunDir) -> None:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -206,7 +208,7 @@ def _launch_local(config: TrainConfig, run_dir: RunDir, world: int) -> None:
     for name, value in private_environment(LOCAL_HOST).items():  # the workers listen on loopback only
         os.environ.setdefault(name, value)
     launch = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=world,
+        min_nodes=1, max_nodes=1, nproc_per_node=plan.world,
         run_id=f"mlscale-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", rdzv_configs={"timeout": 120},
         max_restarts=config.recovery.max_restarts, monitor_interval=0.1, start_method="spawn",
@@ -218,7 +220,7 @@ def _launch_local(config: TrainConfig, run_dir: RunDir, world: int) -> None:
             elastic_launch(launch, sys.executable)("-m", "mlscale.train", str(run_dir.path))
     except ChildFailedError as exc:
         rank, how = _root_cause(exc, config.recovery.collective_timeout_s)
-        _write_failed_report(config, run_dir, rank, how)
+        _write_failed_report(config, plan, run_dir, rank, how)
         raise WorkerFailed(_failure_paragraph(config, run_dir, rank, how), rank=rank) from None
 
 
@@ -286,10 +288,10 @@ def _terminated_by_agent(failure: Any) -> bool:
     return failure.exitcode == -signal.SIGTERM and failure.error_file == "<N/A>"  # no error written
 
 
-def _write_failed_report(config: TrainConfig, run_dir: RunDir, rank: int, message: str) -> None:
+def _write_failed_report(config: TrainConfig, plan: JobPlan, run_dir: RunDir, rank: int, message: str) -> None:
     run_dir.write_report({
         "status": "failed", "task": config.task, "strategy": config.strategy,
-        "world_size": strategy_for(config).world_size(config) * config.replica_groups,
+        "world_size": plan.processes,
         "workers": config.workers,
         "error": {"rank": rank, "message": message},
         "restarts": config.recovery.max_restarts,

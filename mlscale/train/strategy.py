@@ -19,10 +19,11 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from mlscale.config import TrainConfig
+from mlscale.config import Options, TrainConfig
 from mlscale.data import Position
 from mlscale.train.checkpoint import TrainState
 from mlscale.train.dist import DistEnv
+from mlscale.train.plan import JobPlan, MeshDims
 from mlscale.train.timing import CommTimer
 
 TIMING_KEYS = ("step_ms", "compute_ms", "comm_ms", "comm_exposed_ms", "data_wait_ms", "optimizer_ms")
@@ -173,15 +174,17 @@ class Setup:
 
 class Strategy(ABC):
     name: ClassVar[str]
-    # Which options apply to which strategy is declared with the options (mlscale.config: ``only``).
+    # The options model this strategy owns (its group in TrainConfig, refused under other strategies);
+    # which shared options apply to which strategy is declared with the options (mlscale.config: ``only``).
+    options: ClassVar[type[Options] | None] = None
     # A restarted process gets the training state from a live peer (per-step fault tolerance), not from
     # the newest checkpoint; the others never restart.
     recovers_live: ClassVar[bool] = False
 
-    def __init__(self, env: DistEnv, config: TrainConfig) -> None:
-        self.env, self.config = env, config
+    def __init__(self, env: DistEnv, config: TrainConfig, plan: JobPlan) -> None:
+        self.env, self.config, self.plan = env, config, plan
         self.comm = CommTimer()
-        self.shards = type(self).replicas(config, env.world_size)  # data shards, one per replica
+        self.shards = plan.shards_per_group  # data shards of this process group, one per replica
 
     # -- layout (also asked before any process starts) ---------------------------------------------
     @classmethod
@@ -190,15 +193,15 @@ class Strategy(ABC):
         return config.workers
 
     @classmethod
+    def mesh(cls, config: TrainConfig, world: int) -> MeshDims:
+        """The degrees of parallelism of one process group of ``world`` processes (servers left out)."""
+        return MeshDims(dp_replicate=world)
+
+    @classmethod
     def data_shards(cls, config: TrainConfig, world: int) -> list[int | None]:
         """Each rank's data shard (``None``: reads no data). One shard per data-parallel replica: ranks
         of one replica (tensor-parallel peers, pipeline stages) read the same shard."""
         return list(range(world))
-
-    @classmethod
-    def replicas(cls, config: TrainConfig, world: int) -> int:
-        """Data-parallel replicas: the number of shards, each of ``--batch-size`` samples a step."""
-        return len({shard for shard in cls.data_shards(config, world) if shard is not None})
 
     @classmethod
     def checkpoint_ranks(cls, config: TrainConfig, world: int) -> list[int]:

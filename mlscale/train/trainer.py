@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from mlscale.config import TrainConfig
 from mlscale.data import Position, ShardLoader
-from mlscale.data.parquet import ParquetData, ParquetLoader, check_resumable, epoch_steps_for
+from mlscale.data.parquet import ParquetData, ParquetLoader, check_resumable
 from mlscale.data.pipeline import PipelineLoader, StreamLoader, autotune_workers, describe_choice
 from mlscale.errors import MlscaleError
 from mlscale.lineage import code_version, data_fingerprint
@@ -34,6 +34,7 @@ from mlscale.train.checkpoint import Checkpointer, capture_rng, restore_rng
 from mlscale.train.dist import JOB_START_ENV, DistEnv, broadcast_int
 from mlscale.train.faults import FaultInjector
 from mlscale.train.memory import MEMORY_KEYS, peak_memory_mb
+from mlscale.train.plan import JobPlan
 from mlscale.train.progress import Progress
 from mlscale.train.recovery import Heartbeat, RecoveryTracker, recovery_summary
 from mlscale.train.stragglers import StragglerDetector
@@ -42,13 +43,6 @@ from mlscale.train.strategy import TIMING_KEYS, Batch, Learner, Setup, StepResul
 from mlscale.train.timing import median, now
 
 NO_PROGRESS_ENV = "MLSCALE_NO_PROGRESS"  # set by a launcher that shows the job's progress itself
-
-
-def total_steps(config: TrainConfig, data: TensorData | ParquetData, world: int) -> int:
-    if config.steps is not None:
-        return config.steps
-    epochs = config.epochs if config.epochs is not None else 10.0
-    return max(1, math.ceil(epochs * epoch_steps_for(data, world, config.step_batch, config.seed)))
 
 
 def build_optimizer(config: TrainConfig, params: Any) -> torch.optim.Optimizer:
@@ -124,28 +118,24 @@ def timing_medians(timings: list[tuple[float, ...]]) -> list[float]:
 
 
 class Trainer:
-    def __init__(self, config: TrainConfig, env: DistEnv, run_dir: RunDir) -> None:
-        self.config, self.env, self.run_dir = config, env, run_dir
+    def __init__(self, config: TrainConfig, env: DistEnv, run_dir: RunDir, plan: JobPlan) -> None:
+        self.config, self.env, self.run_dir, self.plan = config, env, run_dir, plan
         self.task = make_task(config.task, config.task_options)
         self.dtype = getattr(torch, config.compute.dtype)
         self.train_data = self.task.train.to(self.dtype)
         strategy_type = strategy_for(config)
-        layout = strategy_type.data_shards(config, env.world_size)
-        per_group = strategy_type.replicas(config, env.world_size)
-        own = layout[env.rank]  # None: reads no data; replica groups read shards of their own
-        self.shard = None if own is None else own + env.replica * per_group
-        self.shards = per_group * env.replicas
-        data_ranks = [group * env.world_size + rank for group in range(env.replicas)
-                      for rank, shard in enumerate(layout) if shard is not None]
-        self.strategy = strategy_type(env, config)
+        self.shard = plan.shard_of(env.rank, env.replica)  # None: reads no data
+        self.shards = plan.data_shards
+        data_ranks = plan.data_ranks()
+        self.strategy = strategy_type(env, config, plan)
         self.faults = FaultInjector(config.recovery.faults, env.member,
                                     first_attempt=env.attempt == 0 and not config.resume,
                                     log_path=run_dir.logs / "faults.jsonl", data_ranks=data_ranks, seed=config.seed,
                                     fresh=not config.resume, hold_s=config.recovery.collective_timeout_s,
                                     started=float(os.environ.get(JOB_START_ENV, 0)))
-        self.total_steps = total_steps(config, self.train_data, self.shards)
-        self.global_batch = config.step_batch * self.shards
-        self.checkpointer = self._make_checkpointer(strategy_type.checkpoint_ranks(config, env.world_size))
+        assert plan.total_steps is not None, "a worker's plan has the job's length"
+        self.total_steps, self.global_batch = plan.total_steps, plan.global_batch
+        self.checkpointer = self._make_checkpointer(plan.checkpoint_ranks)
         self.checkpoint_stalls_ms: list[float] = []
         self.stragglers = StragglerDetector(threshold=config.records.straggler_threshold)
 

@@ -20,6 +20,7 @@ from mlscale.errors import MlscaleError, first_line
 from mlscale.rundir import RunDir
 from mlscale.train.dist import init_distributed, member_from_environ, shutdown_distributed
 from mlscale.train.memory import is_out_of_memory, memory_limit
+from mlscale.train.plan import JobPlan
 from mlscale.train.recovery import record_failure
 from mlscale.train.strategy import JobFinished
 from mlscale.train.trainer import Trainer
@@ -29,12 +30,12 @@ class MemoryLimitExceeded(MlscaleError):
     """A process needed more memory than ``--memory-limit-mb`` gives it."""
 
 
-def run_worker(config: TrainConfig, run_dir: RunDir, destroy_group: bool = True) -> dict[str, Any]:
+def run_worker(config: TrainConfig, run_dir: RunDir, plan: JobPlan, destroy_group: bool = True) -> dict[str, Any]:
     """Join the group, train, leave. Returns the report on rank 0 and ``{}`` elsewhere."""
     env = init_distributed(config.compute.device, config.recovery.collective_timeout_s, replicas=config.replica_groups)
     try:
         with memory_limit(config.compute.memory_limit_mb, env.device):
-            report = Trainer(config, env, run_dir).run()
+            report = Trainer(config, env, run_dir, plan).run()
     except JobFinished as exc:
         print(f"mlscale: {exc}; leaving", file=sys.stderr, flush=True)
         return {}  # its peers are gone: no barrier to wait at
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = TrainConfig(**run_dir.read_config())
         rank = member_from_environ(config.replica_groups)
-        run_worker(config, run_dir, destroy_group=False)
+        run_worker(config, run_dir, JobPlan.read(run_dir.plan_path), destroy_group=False)
     except BaseException as exc:  # reported to the agent, then exit 1
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 

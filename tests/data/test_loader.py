@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from mlscale.data import Position, ShardLoader
+from mlscale.errors import UsageError
 from mlscale.tasks import TensorData
 
 
@@ -31,5 +32,5 @@ def test_position_counts_global_samples_and_epochs():
 
 
 def test_a_batch_larger_than_the_data_is_refused():
-    with pytest.raises(ValueError, match="larger than the data set"):
+    with pytest.raises(UsageError, match="batch-size=8: 8 per worker x 2 worker"):
         ShardLoader(data(10), rank=0, world=2, batch_size=8, seed=0)

@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from mlscale.config import TrainConfig
+from mlscale.config import DDPOptions, TrainConfig
 from mlscale.errors import UsageError
 from mlscale.train.strategies.replica import ReplicaStrategy
 from mlscale.train.timing import CommTimer
@@ -77,6 +77,7 @@ def comm_hook(compress: str, process_group: Any) -> tuple[Callable[..., Any], An
 
 class DDPStrategy(ReplicaStrategy):
     name = "ddp"
+    options = DDPOptions
     replicated = True
 
     @classmethod

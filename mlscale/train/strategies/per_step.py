@@ -283,7 +283,7 @@ class PerStep:
         super().setup(setup)  # type: ignore[misc]
         self.manager: Any = None
         self.replicas_total = self.env.replicas
-        self.shards_per_group = type(self).replicas(self.config, self.env.world_size)
+        self.shards_per_group = self.plan.shards_per_group
         self.history: list[list[Any]] = []  # steps committed without every replica: [first, last, participants]
         self.job: dict[str, Any] = {}  # the trainer's place now (data position, samples), sent with the state
         self.discarded = 0

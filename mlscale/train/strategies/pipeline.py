@@ -27,11 +27,12 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
-from mlscale.config import TrainConfig
+from mlscale.config import PipelineOptions, TrainConfig
 from mlscale.errors import UsageError
 from mlscale.train.dist import all_gather_rows, receive_state, send_state
 from mlscale.train.memory import state_memory
 from mlscale.train.parallelize import StagePlan, keep_stage, plan_stages
+from mlscale.train.plan import MeshDims
 from mlscale.train.state import OneModuleState, assemble, release
 from mlscale.train.strategy import Batch, Learner, Setup, StepResult, StepRow, Strategy
 from mlscale.train.timing import now
@@ -54,6 +55,11 @@ class _SimulatedWork(torch.autograd.Function):
 
 class PipelineStrategy(OneModuleState, Strategy):
     name = "pipeline"
+    options = PipelineOptions
+
+    @classmethod
+    def mesh(cls, config: TrainConfig, world: int) -> MeshDims:
+        return MeshDims(dp_replicate=world // config.pipeline.stages, pp=config.pipeline.stages)
 
     @classmethod
     def data_shards(cls, config: TrainConfig, world: int) -> list[int | None]:

@@ -32,11 +32,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mlscale.config import TrainConfig
+from mlscale.config import PSOptions, TrainConfig
 from mlscale.errors import UsageError
 from mlscale.train.checkpoint import TrainState
 from mlscale.train.dist import receive_state, send_state
 from mlscale.train.memory import state_memory
+from mlscale.train.plan import JobPlan, MeshDims
 from mlscale.train.state import MODEL, load_module_state, module_state
 from mlscale.train.strategies.ps_messages import (
     Header,
@@ -52,10 +53,15 @@ from mlscale.train.timing import now
 
 class ParameterServerStrategy(Strategy):
     name = "ps"
+    options = PSOptions
 
     @classmethod
     def world_size(cls, config: TrainConfig) -> int:
         return config.workers + config.ps.ps_servers
+
+    @classmethod
+    def mesh(cls, config: TrainConfig, world: int) -> MeshDims:
+        return MeshDims(dp_replicate=world - config.ps.ps_servers)  # the servers come on top
 
     @classmethod
     def data_shards(cls, config: TrainConfig, world: int) -> list[int | None]:
@@ -81,8 +87,8 @@ class ParameterServerStrategy(Strategy):
             raise UsageError("bad value precision='fp16': the parameter server does not scale losses; use bf16 "
                              "or fp32")
 
-    def __init__(self, env: Any, config: TrainConfig) -> None:
-        super().__init__(env, config)
+    def __init__(self, env: Any, config: TrainConfig, plan: JobPlan) -> None:
+        super().__init__(env, config, plan)
         self.servers = config.ps.ps_servers
         self.workers = env.world_size - self.servers
         self.is_server = env.rank < self.servers
@@ -106,10 +112,10 @@ class ParameterServerStrategy(Strategy):
         if len(self.params) < self.servers:
             raise UsageError(f"bad value ps-servers={self.servers}: the model has only {len(self.params)} parameter "
                              "tensor(s) to shard (each server holds whole tensors)")
-        self.shards = shard_by_size([p.numel() for p in self.params], self.servers)
+        self.param_shards = shard_by_size([p.numel() for p in self.params], self.servers)
         self.version = setup.start_step
         if self.is_server:
-            mine = [self.params[i] for i in self.shards[self.env.rank]]
+            mine = [self.params[i] for i in self.param_shards[self.env.rank]]
             self.shard = ServerShard(mine, setup.make_learner(mine), self.env, self.control, self.workers)
             self.sequencer = Sequencer(self.config, self.shard, self.server_group, self.workers, setup.total_steps,
                                        setup.start_step, setup.global_batch // self.workers)
@@ -141,9 +147,9 @@ class ParameterServerStrategy(Strategy):
         reply = Reply.receive(self.control)
         if not reply.done:
             for server in range(self.servers):
-                buffer = empty_flat([self.params[i] for i in self.shards[server]])
+                buffer = empty_flat([self.params[i] for i in self.param_shards[server]])
                 dist.recv(buffer, src=server)
-                unflatten_into(buffer, [self.params[i].data for i in self.shards[server]])
+                unflatten_into(buffer, [self.params[i].data for i in self.param_shards[server]])
         for send in sends:
             send.wait()
         self._synchronize()
@@ -157,7 +163,7 @@ class ParameterServerStrategy(Strategy):
             torch.cuda.synchronize(self.env.device)
 
     def _gradients(self, server: int) -> torch.Tensor:
-        params = [self.params[i] for i in self.shards[server]]
+        params = [self.params[i] for i in self.param_shards[server]]
         return flat([p.grad if p.grad is not None else torch.zeros_like(p) for p in params])
 
     # -- records: the servers among themselves ------------------------------------------------------
@@ -179,7 +185,7 @@ class ParameterServerStrategy(Strategy):
         return list(range(config.ps.ps_servers))  # each server writes its shard; workers hold no state of their own
 
     def _own_names(self) -> set[str]:
-        return {self.names[i] for i in self.shards[self.env.rank]}
+        return {self.names[i] for i in self.param_shards[self.env.rank]}
 
     def train_state(self) -> TrainState:
         state = module_state(self.model, self.shard.learner, only=self._own_names())
@@ -201,7 +207,7 @@ class ParameterServerStrategy(Strategy):
             self.sequencer.restore_counters(state.meta["parameter_server"])
 
     def _fill_model(self, gathered: list[dict[str, Any]]) -> None:
-        for indices, part in zip(self.shards, gathered):
+        for indices, part in zip(self.param_shards, gathered):
             for i, value in zip(indices, part["params"]):
                 self.params[i].data.copy_(value)
 
@@ -220,5 +226,5 @@ class ParameterServerStrategy(Strategy):
             self.shard.close()  # the last replies and parameters have reached their workers
 
     def report(self) -> dict[str, Any]:
-        sizes = [sum(self.params[i].numel() for i in shard) for shard in self.shards]
+        sizes = [sum(self.params[i].numel() for i in shard) for shard in self.param_shards]
         return {"parameter_server": {**self.sequencer.summary(), "shard_numel": sizes}}

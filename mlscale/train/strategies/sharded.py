@@ -22,11 +22,16 @@ from torch.distributed.device_mesh import init_device_mesh
 from mlscale.config import TrainConfig
 from mlscale.errors import UsageError
 from mlscale.train.parallelize import apply_fsdp, apply_tp, check_tp_divides, tp_plan
+from mlscale.train.plan import MeshDims
 from mlscale.train.strategies.replica import ReplicaStrategy
 
 
 class FSDPStrategy(ReplicaStrategy):
     name = "fsdp"
+
+    @classmethod
+    def mesh(cls, config: TrainConfig, world: int) -> MeshDims:
+        return MeshDims(dp_shard=world)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         mesh = init_device_mesh(self.env.device.type, (self.env.world_size,), mesh_dim_names=("dp",))
@@ -48,6 +53,10 @@ class TensorParallelStrategy(ReplicaStrategy):
         if config.compute.precision == "fp16":
             raise UsageError("bad value precision='fp16': the loss scaler cannot unscale tp's mix of split "
                              "(DTensor) and replicated gradients; use bf16 or fp32")
+
+    @classmethod
+    def mesh(cls, config: TrainConfig, world: int) -> MeshDims:
+        return MeshDims(tp=world)
 
     @classmethod
     def data_shards(cls, config: TrainConfig, world: int) -> list[int | None]:

@@ -1,0 +1,171 @@
+"""The job plan: the strategy, the processes and their roles, the mesh and the batch, resolved once.
+
+``fit`` makes the plan before any process starts and writes it to ``RUN_DIR/plan.json``; the launcher,
+the workers, the trainer, the strategies, the failure report and ``mlscale k8s train`` read it and
+derive nothing again. The words (docs/architecture.md, "The job's words"):
+
+- **process** (rank): one OS process of a process group; **world**: the processes of one group (one
+  launch: torchrun's ``WORLD_SIZE``). Under per-step fault tolerance every **replica group** is a process
+  group of its own (``--group-size`` processes) and the job has ``--workers`` of them.
+- **mesh**: the degrees of parallelism of the job's training processes, torchtitan's ``ParallelDims``:
+  ``dp_replicate x dp_shard x tp x pp``. A **replica** is one copy of the model being trained on its own
+  data: ``tp x pp`` processes (``dp_shard`` processes share one under fsdp, each on its own data).
+- **data shard**: what one data-parallel member reads: ``dp_replicate x dp_shard`` of them, each
+  ``--batch-size`` samples per micro-step; the global batch is their sum over ``--grad-accum``
+  micro-steps. Ranks of one replica that split the model (tp, pp) read the same shard.
+- **server** (``--strategy ps``): a process that holds parameters and reads no data.
+- **workers** (``--workers``): what the user asks for; each strategy says what it counts (above).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mlscale.config import TrainConfig
+from mlscale.data.parquet import ParquetData, epoch_steps_for
+from mlscale.data.tensors import TensorData
+from mlscale.io import atomic_write_json
+from mlscale.train.dist import under_launcher
+
+
+@dataclass(frozen=True)
+class MeshDims:
+    """Degrees of parallelism: ``dp_replicate x dp_shard x tp x pp`` training processes. Today's
+    strategies each use a subset (ddp: replicate; fsdp: shard, or replicate x shard as HSDP; tp; pipeline:
+    replicate x pp); combining them (fsdp x tp, pp x dp) is a mesh of several degrees > 1."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+
+    @property
+    def size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+
+    @property
+    def data_parallel(self) -> int:
+        """Members reading different data: the data shards."""
+        return self.dp_replicate * self.dp_shard
+
+    def active(self) -> dict[str, int]:
+        """The degrees above 1, by name, in mesh order (what a device mesh would be built from)."""
+        return {name: degree for name, degree in asdict(self).items() if degree > 1}
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    """Everything about a job's layout and batch, resolved once from its configuration."""
+
+    strategy: str
+    fault_tolerance: str  # restart | per-step
+    world: int  # processes of one process group (a replica group's under per-step)
+    replica_groups: int  # process groups of the job: 1, or --workers under per-step
+    servers: int  # parameter server processes (of each group), on top of the mesh
+    mesh: MeshDims  # of the whole job's training processes (replica groups included in dp_replicate)
+    rank_shards: list[int | None]  # each rank's data shard within its group (None: reads no data)
+    checkpoint_ranks: list[int]  # the ranks of a group that hold training state and write checkpoints
+    batch_size: int  # samples per data shard per micro-step (--batch-size)
+    grad_accum: int  # micro-steps per optimizer step
+    total_steps: int | None = None  # optimizer steps of the job (None: the data was not read, as for k8s)
+    train_samples: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def processes(self) -> int:
+        """Every process of the job."""
+        return self.world * self.replica_groups
+
+    @property
+    def shards_per_group(self) -> int:
+        return len({shard for shard in self.rank_shards if shard is not None})
+
+    @property
+    def data_shards(self) -> int:
+        """Data shards of the whole job: the members that read different data."""
+        return self.shards_per_group * self.replica_groups
+
+    @property
+    def step_batch(self) -> int:
+        """Samples per data shard per optimizer step."""
+        return self.batch_size * self.grad_accum
+
+    @property
+    def global_batch(self) -> int:
+        """Samples per optimizer step, all shards together."""
+        return self.step_batch * self.data_shards
+
+    def data_ranks(self) -> list[int]:
+        """The job-wide ranks (group x world + rank) that read data."""
+        return [group * self.world + rank for group in range(self.replica_groups)
+                for rank, shard in enumerate(self.rank_shards) if shard is not None]
+
+    def shard_of(self, rank: int, group: int = 0) -> int | None:
+        """The job-wide data shard of ``rank`` in replica group ``group`` (None: reads no data)."""
+        own = self.rank_shards[rank]
+        return None if own is None else own + group * self.shards_per_group
+
+    def as_dict(self) -> dict[str, Any]:
+        values = asdict(self)
+        values.update(processes=self.processes, data_shards=self.data_shards, global_batch=self.global_batch,
+                      mesh_active=self.mesh.active())
+        return values
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> JobPlan:
+        names = set(cls.__dataclass_fields__)
+        fields = {key: value for key, value in values.items() if key in names}
+        return cls(**{**fields, "mesh": MeshDims(**fields["mesh"])})
+
+    def write(self, path: Path) -> None:
+        atomic_write_json(path, self.as_dict())
+
+    @classmethod
+    def read(cls, path: Path) -> JobPlan:
+        return cls.from_dict(json.loads(path.read_text()))
+
+
+def total_steps(config: TrainConfig, data: TensorData | ParquetData, shards: int) -> int:
+    """Optimizer steps of the job: ``--steps``, else ``--epochs`` (10) over ``shards`` data shards."""
+    if config.steps is not None:
+        return config.steps
+    epochs = config.epochs if config.epochs is not None else 10.0
+    return max(1, math.ceil(epochs * epoch_steps_for(data, shards, config.step_batch, config.seed)))
+
+
+def launch_world(config: TrainConfig) -> int:
+    """Processes of one process group: torchrun's ``WORLD_SIZE`` under a launcher, else what the
+    strategy needs for ``--workers``."""
+    from mlscale.train.strategies import strategy_for
+
+    if under_launcher() and "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return strategy_for(config).world_size(config)
+
+
+def plan_job(config: TrainConfig, world: int | None = None,
+             data: TensorData | ParquetData | None = None) -> JobPlan:
+    """The plan of ``config`` for process groups of ``world`` processes (default: ``launch_world``),
+    with its length when the training ``data`` is given."""
+    from mlscale.train.strategies import strategy_for
+
+    strategy = strategy_for(config)
+    world = launch_world(config) if world is None else world
+    rank_shards = strategy.data_shards(config, world)
+    groups = config.replica_groups
+    group_mesh = strategy.mesh(config, world)  # of one process group
+    mesh = MeshDims(dp_replicate=group_mesh.dp_replicate * groups, dp_shard=group_mesh.dp_shard, tp=group_mesh.tp,
+                    pp=group_mesh.pp)
+    plan = JobPlan(strategy=config.strategy, fault_tolerance=config.recovery.fault_tolerance, world=world,
+                   replica_groups=groups, servers=world - group_mesh.size, mesh=mesh, rank_shards=rank_shards,
+                   checkpoint_ranks=strategy.checkpoint_ranks(config, world), batch_size=config.batch_size,
+                   grad_accum=config.grad_accum)
+    if data is None:
+        return plan
+    return JobPlan(**{**plan.__dict__, "total_steps": total_steps(config, data, plan.data_shards),
+                      "train_samples": len(data)})
