@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mlscale.config import TrainConfig
+from mlscale.config import TorchftOptions, TrainConfig
 from mlscale.data import Position
 from mlscale.errors import UsageError
 from mlscale.io import atomic_write_json, read_jsonl, repair_jsonl
@@ -249,6 +249,7 @@ class PerStep:
     joins rank r of every group for the cross-group gradient average and for live recovery."""
 
     recovers_live = True
+    options = TorchftOptions  # lighthouse, min replicas, group size, heartbeat timeout
 
     @classmethod
     def world_size(cls, config: TrainConfig) -> int:
