@@ -35,16 +35,17 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from mlscale.faultspec import ANY_RANK, Fault
+from mlscale.faultspec import ANY_RANK, Fault, parse_fault
 from mlscale.io import atomic_write_json, read_records
 
 
 class FaultInjector:
     """Applies the faults aimed at this rank; does nothing when there are none."""
 
-    def __init__(self, faults: list[Fault], rank: int, first_attempt: bool, log_path: Path | None = None,
-                 data_ranks: list[int] | None = None, seed: int = 0, fresh: bool = True, hold_s: float = 0.0,
-                 started: float = 0.0) -> None:
+    def __init__(self, specs: list[Fault] | list[str], rank: int, first_attempt: bool,
+                 log_path: Path | None = None, data_ranks: list[int] | None = None, seed: int = 0, fresh: bool = True,
+                 hold_s: float = 0.0, started: float = 0.0) -> None:
+        faults = [parse_fault(spec) for spec in specs]  # the config's are parsed already: kept as they are
         once = [f for f in faults if first_attempt and f.kind != "slow"]
         self._kill = {f.step: f for f in once if f.kind in ("kill", "hang") and f.rank == rank}
         self._kill_in_step = {f.step: f for f in once if f.kind == "kill_in_step" and f.rank == rank}

@@ -7,7 +7,8 @@ import time
 import pytest
 
 from mlscale.errors import UsageError
-from mlscale.train.faults import ANY_RANK, FaultInjector, parse_fault
+from mlscale.faultspec import ANY_RANK, parse_fault
+from mlscale.train.faults import FaultInjector
 from mlscale.train.stragglers import StragglerDetector
 from mlscale.train.strategies.ps_server import shard_by_size
 
