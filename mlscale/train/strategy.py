@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -24,9 +24,20 @@ from mlscale.data import Position
 from mlscale.train.checkpoint import TrainState
 from mlscale.train.dist import DistEnv
 from mlscale.train.plan import JobPlan, MeshDims
-from mlscale.train.timing import CommTimer
+from mlscale.train.timing import CommTimer, StepTimes
 
-TIMING_KEYS = ("step_ms", "compute_ms", "comm_ms", "comm_exposed_ms", "data_wait_ms", "optimizer_ms")
+
+class Shared(Protocol):
+    """A record that record keepers share (``Strategy.share``): it packs itself into floats for the
+    collective and is read back from them; nothing else knows the positions."""
+
+    def to_floats(self) -> list[float]: ...
+
+    @classmethod
+    def from_floats(cls: type[SharedT], values: Sequence[float]) -> SharedT: ...
+
+
+SharedT = TypeVar("SharedT", bound=Shared)
 
 
 @dataclass(frozen=True)
@@ -47,20 +58,7 @@ class StepRow:
     rank: int
     loss: float | torch.Tensor | None  # a tensor stays on the device until a log line needs it; None: this
     # rank computes no loss (a pipeline stage before the last)
-    step_ms: float
-    compute_ms: float
-    comm_ms: float
-    comm_exposed_ms: float
-    data_wait_ms: float
-    optimizer_ms: float = 0.0  # the update (optimizer, scaler, schedule), apart from compute
-
-    def timings(self) -> tuple[float, ...]:
-        return tuple(getattr(self, key) for key in TIMING_KEYS)
-
-    @property
-    def own_ms(self) -> float:
-        """Time this rank spent on its own work (compute, update, data wait): what tells a straggler."""
-        return self.compute_ms + self.optimizer_ms + self.data_wait_ms
+    times: StepTimes
 
 
 @dataclass
@@ -260,9 +258,14 @@ class Strategy(ABC):
     def lr(self) -> float:
         """The learning rate the latest update used."""
 
+    def share(self, kind: type[SharedT], records: Sequence[SharedT]) -> list[SharedT]:
+        """Every record keeper's records of ``kind``, in rank order (a collective among record keepers):
+        each travels as its own ``to_floats()`` and is read back by ``kind.from_floats``."""
+        return [kind.from_floats(row) for row in self.gather_floats([record.to_floats() for record in records])]
+
     @abstractmethod
-    def share(self, rows: list[list[float]]) -> list[list[float]]:
-        """Every record keeper's rows of floats, in rank order (a collective among record keepers)."""
+    def gather_floats(self, rows: list[list[float]]) -> list[list[float]]:
+        """The collective under ``share``: every record keeper's rows of floats, in rank order."""
 
     @abstractmethod
     def train_state(self) -> TrainState:

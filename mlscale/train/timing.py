@@ -5,7 +5,8 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields
 
 
 def now() -> float:
@@ -15,6 +16,48 @@ def now() -> float:
 def median(values: Iterable[float]) -> float:
     values = list(values)
     return statistics.median(values) if values else 0.0
+
+
+@dataclass(frozen=True)
+class StepTimes:
+    """Where a step's wall time went, in ms, as the rank that ran it measured it; or each field's median
+    over many steps. Communication is busy time (``comm_ms``) and the part of it after compute ended
+    (``comm_exposed_ms``: what overlapping with the backward pass did not hide)."""
+
+    step_ms: float = 0.0
+    compute_ms: float = 0.0
+    comm_ms: float = 0.0
+    comm_exposed_ms: float = 0.0
+    data_wait_ms: float = 0.0
+    optimizer_ms: float = 0.0  # the update (optimizer, scaler, schedule), apart from compute
+
+    @property
+    def own_ms(self) -> float:
+        """Time the rank spent on its own work (compute, update, data wait): what tells a straggler."""
+        return self.compute_ms + self.optimizer_ms + self.data_wait_ms
+
+    def as_dict(self, suffix: str = "") -> dict[str, float]:
+        """``{"step_ms": ..., ...}`` in field order; ``suffix`` is added to every key (``_p50``)."""
+        return {name + suffix: getattr(self, name) for name in _STEP_TIMES}
+
+    @classmethod
+    def medians(cls, times: Sequence[StepTimes]) -> StepTimes:
+        """Each field's median over ``times`` (zeros for none)."""
+        return cls(**{name: median(getattr(t, name) for t in times) for name in _STEP_TIMES})
+
+    # On the wire (a record that holds one packs it so): its floats in field order.
+    WIDTH = 6
+
+    def to_floats(self) -> list[float]:
+        return [getattr(self, name) for name in _STEP_TIMES]
+
+    @classmethod
+    def from_floats(cls, values: Sequence[float]) -> StepTimes:
+        return cls(*values[:cls.WIDTH])
+
+
+_STEP_TIMES = tuple(f.name for f in fields(StepTimes))
+assert len(_STEP_TIMES) == StepTimes.WIDTH
 
 
 def union_length(intervals: list[tuple[float, float]]) -> float:

@@ -33,14 +33,15 @@ from mlscale.tasks import TensorData, make_task
 from mlscale.train.checkpoint import Checkpointer, capture_rng, restore_rng
 from mlscale.train.dist import JOB_START_ENV, DistEnv, broadcast_int
 from mlscale.train.faults import FaultInjector
-from mlscale.train.memory import MEMORY_KEYS, peak_memory_mb
+from mlscale.train.memory import peak_memory_mb
 from mlscale.train.plan import JobPlan
 from mlscale.train.progress import Progress
+from mlscale.train.records import RankMemory, RankTimings, RankWindow
 from mlscale.train.recovery import Heartbeat, RecoveryTracker, recovery_summary
 from mlscale.train.stragglers import StragglerDetector
 from mlscale.train.strategies import strategy_for
-from mlscale.train.strategy import TIMING_KEYS, Batch, Learner, Setup, StepResult, StepRow, StepStart
-from mlscale.train.timing import median, now
+from mlscale.train.strategy import Batch, Learner, Setup, StepResult, StepRow, StepStart
+from mlscale.train.timing import StepTimes, median, now
 
 NO_PROGRESS_ENV = "MLSCALE_NO_PROGRESS"  # set by a launcher that shows the job's progress itself
 
@@ -79,15 +80,14 @@ class TensorBoardLog:
                                "'mlscale[tensorboard]'") from None
         self.writer = SummaryWriter(log_dir=str(directory))
 
-    def write(self, step: int, loss: float, lr: float, samples_per_s: float, shared: list[list[float]],
+    def write(self, step: int, loss: float, lr: float, samples_per_s: float, shared: list[RankWindow],
               evaluated: list[dict[str, float]]) -> None:
         self.writer.add_scalar("train/loss", loss, step)
         self.writer.add_scalar("train/lr", lr, step)
         self.writer.add_scalar("train/samples_per_s", samples_per_s, step)
-        fixed = 4 + len(TIMING_KEYS)
-        for row in shared:
-            for key, value in zip(TIMING_KEYS, row[4:fixed]):
-                self.writer.add_scalar(f"time/rank{int(row[0])}/{key}", value, step)
+        for window in shared:
+            for key, value in window.times.as_dict().items():
+                self.writer.add_scalar(f"time/rank{window.rank}/{key}", value, step)
         for metrics in evaluated:
             for key, value in metrics.items():
                 if key != "step":
@@ -111,10 +111,6 @@ def by_rank(rows: list[StepRow]) -> dict[int, list[StepRow]]:
     for row in rows:
         grouped.setdefault(row.rank, []).append(row)
     return grouped
-
-
-def timing_medians(timings: list[tuple[float, ...]]) -> list[float]:
-    return [median(t[i] for t in timings) for i in range(len(TIMING_KEYS))]
 
 
 class Trainer:
@@ -399,21 +395,14 @@ class Trainer:
 
     def _log(self, window: _Window) -> float:
         """Share loss and timings among record keepers; rank 0 writes a metrics line. Returns the loss."""
-        summaries = []
-        for rank, rows in sorted(by_rank(window.rows).items()):
-            seen = [row.loss for row in rows if row.loss is not None]  # a rank may see no loss (early stages)
-            losses = torch.stack([torch.as_tensor(loss, dtype=torch.float64) for loss in seen]) if seen \
-                else torch.full((1,), math.nan, dtype=torch.float64)
-            summaries.append([rank, float(bool(seen)), losses.mean().item(), losses[-1].item(),
-                              *timing_medians([row.timings() for row in rows]),
-                              *(row.own_ms for row in rows)])
-        shared = self.strategy.share(summaries)
+        summaries = [RankWindow.of(rank, rows) for rank, rows in sorted(by_rank(window.rows).items())]
+        shared = self.strategy.share(RankWindow, summaries)
         if not shared:
             return float("nan")
-        fixed = 4 + len(TIMING_KEYS)
-        flagged = self.stragglers.observe(self.step, {int(r[0]): r[fixed:] for r in shared})
-        with_loss = [r for r in shared if r[1]]  # by role, so that a diverged (NaN) loss still shows
-        loss = sum(r[2] for r in with_loss) / len(with_loss) if with_loss else math.nan
+        flagged = self.stragglers.observe(self.step, {r.rank: r.own_ms for r in shared})
+        # By role (a rank may see no loss: early pipeline stages), so that a diverged (NaN) loss still shows.
+        with_loss = [r for r in shared if r.loss_mean is not None and r.loss_last is not None]
+        loss = sum(r.loss_mean for r in with_loss) / len(with_loss) if with_loss else math.nan
         if self.strategy.writes_records:
             samples_per_s = window.samples / (now() - window.start)
             evaluated, self.pending_eval = self.pending_eval, []
@@ -425,8 +414,8 @@ class Trainer:
                 "samples_per_s": samples_per_s,
                 "time": time.time(),
                 "elapsed_s": now() - self.loop_start,
-                "per_rank": [{"rank": int(r[0]), **dict(zip(TIMING_KEYS, r[4:fixed])),
-                              "straggler_score": round(self.stragglers.scores.get(int(r[0]), 1.0), 3)}
+                "per_rank": [{"rank": r.rank, **r.times.as_dict(),
+                              "straggler_score": round(self.stragglers.scores.get(r.rank, 1.0), 3)}
                              for r in shared],
                 "stragglers": flagged,
                 **self.strategy.log_fields(self.step, self.logged_step),
@@ -437,7 +426,7 @@ class Trainer:
         if self.progress is not None:
             self.progress.update(self.step, loss, window.samples / (now() - window.start),
                                  self.stragglers.describe_now())
-        return sum(r[3] for r in with_loss) / len(with_loss) if with_loss else math.nan
+        return sum(r.loss_last for r in with_loss) / len(with_loss) if with_loss else math.nan
 
     def run(self) -> dict[str, Any]:
         """Train to the end, checkpoint, evaluate, and (rank 0) write the report."""
@@ -453,7 +442,7 @@ class Trainer:
         warm = min(config.records.warmup_steps_for_throughput, max(0, self.total_steps - self.step - 1))
         start_step = self.step
         measure_from = (now(), self.step) if warm == 0 else None
-        measured: dict[int, list[tuple[float, ...]]] = {}  # rank -> timings (floats only: no device tensors)
+        measured: dict[int, list[StepTimes]] = {}  # rank -> step times (floats only: no device tensors)
         measured_samples = 0
         window, final_loss, done = _Window(), float("nan"), self.step >= self.total_steps
         try:
@@ -466,7 +455,7 @@ class Trainer:
                 window.samples += result.samples
                 if measure_from is not None:
                     for row in result.rows:
-                        measured.setdefault(row.rank, []).append(row.timings())
+                        measured.setdefault(row.rank, []).append(row.times)
                     measured_samples += result.samples
                 elif self.step - start_step >= warm:
                     measure_from = (now(), self.step)
@@ -533,20 +522,15 @@ class Trainer:
 
     def _share_memory(self) -> list[dict[str, float]]:
         """Every record keeper's measured state memory and peak (a collective among them)."""
-        measured = self.memory or {}
-        own = [self.env.rank, *(measured.get(key, math.nan) for key in MEMORY_KEYS), peak_memory_mb(self.env.device)]
-        rows = self.strategy.share([own])
-        return [{"rank": int(row[0]), **{key: value for key, value in zip((*MEMORY_KEYS, "peak_mb"), row[1:])
-                                         if not math.isnan(value)}}
-                for row in rows if not math.isnan(row[4])]
+        own = RankMemory(self.env.rank, dict(self.memory or {}), peak_memory_mb(self.env.device))
+        return [row.as_report() for row in self.strategy.share(RankMemory, [own]) if "state_mb" in row.state]
 
-    def _finish(self, final_loss: float, measured: dict[int, list[tuple[float, ...]]], samples: int,
+    def _finish(self, final_loss: float, measured: dict[int, list[StepTimes]], samples: int,
                 measure_from: tuple[float, int] | None) -> dict[str, Any]:
         end = now()
-        shared = self.strategy.share([[rank, *timing_medians(measured[rank])] for rank in sorted(measured)]
-                                     or ([[self.env.rank, *timing_medians([])]] if self.shard is not None else []))
-        per_rank = [{"rank": int(r[0]), **{f"{key}_p50": value for key, value in zip(TIMING_KEYS, r[1:])}}
-                    for r in shared]
+        own = [RankTimings(rank, StepTimes.medians(measured[rank])) for rank in sorted(measured)] \
+            or ([RankTimings(self.env.rank, StepTimes())] if self.shard is not None else [])
+        per_rank = [{"rank": r.rank, **r.medians.as_dict("_p50")} for r in self.strategy.share(RankTimings, own)]
         memory = self._share_memory()
         model = self.strategy.full_model()
         if model is None:

@@ -35,7 +35,7 @@ from mlscale.train.parallelize import StagePlan, keep_stage, plan_stages
 from mlscale.train.plan import MeshDims
 from mlscale.train.state import OneModuleState, assemble, release
 from mlscale.train.strategy import Batch, Learner, Setup, StepResult, StepRow, Strategy
-from mlscale.train.timing import now
+from mlscale.train.timing import StepTimes, now
 
 
 class _SimulatedWork(torch.autograd.Function):
@@ -141,14 +141,14 @@ class PipelineStrategy(OneModuleState, Strategy):
         step_ms, optimizer_ms = (end - batch.started) * 1e3, (end - update_start) * 1e3
         # Only the last stage sees the loss; time in the schedule includes waiting for other stages.
         loss = torch.stack(losses).mean().detach() if self.last else None
-        row = StepRow(self.env.rank, loss, step_ms, step_ms - batch.data_ms - optimizer_ms, 0.0, 0.0, batch.data_ms,
-                      optimizer_ms)
+        row = StepRow(self.env.rank, loss, StepTimes(step_ms=step_ms, compute_ms=step_ms - batch.data_ms - optimizer_ms,
+                                                     data_wait_ms=batch.data_ms, optimizer_ms=optimizer_ms))
         self.steps_done += 1
         return StepResult(step=self.steps_done, done=self.steps_done >= self.total_steps, samples=self.global_batch,
                           rows=[row], positions=dict.fromkeys(range(self.shards), batch.position))
 
     # -- records -----------------------------------------------------------------------------------
-    def share(self, rows: list[list[float]]) -> list[list[float]]:
+    def gather_floats(self, rows: list[list[float]]) -> list[list[float]]:
         return all_gather_rows(self.env, rows)
 
     def memory(self) -> dict[str, float]:

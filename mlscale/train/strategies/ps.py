@@ -170,7 +170,7 @@ class ParameterServerStrategy(Strategy):
     def lr(self) -> float:
         return self.shard.learner.scheduler.get_last_lr()[0]
 
-    def share(self, rows: list[list[float]]) -> list[list[float]]:
+    def gather_floats(self, rows: list[list[float]]) -> list[list[float]]:
         return rows  # server 0 sees every worker's header; the other servers keep no rows
 
     def _gather_shards(self, payload: dict[str, Any]) -> list[dict[str, Any]] | None:

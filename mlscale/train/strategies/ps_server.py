@@ -21,7 +21,7 @@ from mlscale.data import Position
 from mlscale.train.dist import DistEnv
 from mlscale.train.strategies.ps_messages import Header, Reply, empty_flat, flat, unflatten_into
 from mlscale.train.strategy import Learner, StepResult, StepRow
-from mlscale.train.timing import median, now
+from mlscale.train.timing import StepTimes, median, now
 
 
 def shard_by_size(sizes: list[int], servers: int) -> list[list[int]]:
@@ -308,6 +308,6 @@ def _histogram(counts: Counter[int]) -> dict[str, Any]:
 
 
 def _row(rank: int, header: Header) -> StepRow:
-    return StepRow(rank=rank, loss=header.loss, step_ms=header.compute_ms + header.data_ms + header.comm_ms,
-                   compute_ms=header.compute_ms, comm_ms=header.comm_ms, comm_exposed_ms=header.comm_ms,
-                   data_wait_ms=header.data_ms)
+    return StepRow(rank=rank, loss=header.loss, times=StepTimes(
+        step_ms=header.compute_ms + header.data_ms + header.comm_ms, compute_ms=header.compute_ms,
+        comm_ms=header.comm_ms, comm_exposed_ms=header.comm_ms, data_wait_ms=header.data_ms))

@@ -16,7 +16,7 @@ from mlscale.train.dist import all_gather_floats
 from mlscale.train.memory import SavedActivations, state_memory
 from mlscale.train.state import OneModuleState, assemble, release
 from mlscale.train.strategy import Batch, Learner, Setup, StepResult, StepRow, Strategy
-from mlscale.train.timing import now
+from mlscale.train.timing import StepTimes, now
 
 
 class ReplicaStrategy(OneModuleState, Strategy):
@@ -67,8 +67,9 @@ class ReplicaStrategy(OneModuleState, Strategy):
         end = now()
         step_ms, optimizer_ms = (end - batch.started) * 1e3, (end - update_start) * 1e3
         comm_ms, exposed_ms = self.comm.take(backward_end)
-        row = StepRow(self.env.rank, loss.detach(), step_ms, step_ms - batch.data_ms - exposed_ms - optimizer_ms,
-                      comm_ms, exposed_ms, batch.data_ms, optimizer_ms)
+        row = StepRow(self.env.rank, loss.detach(), StepTimes(
+            step_ms=step_ms, compute_ms=step_ms - batch.data_ms - exposed_ms - optimizer_ms, comm_ms=comm_ms,
+            comm_exposed_ms=exposed_ms, data_wait_ms=batch.data_ms, optimizer_ms=optimizer_ms))
         if self.first_step_ms is None:
             self.first_step_ms = step_ms  # with --compile: includes compiling the model
         self.steps_done += 1
@@ -85,7 +86,7 @@ class ReplicaStrategy(OneModuleState, Strategy):
         of ``--grad-accum`` micro-steps) or only accumulated locally."""
         return contextlib.nullcontext()
 
-    def share(self, rows: list[list[float]]) -> list[list[float]]:
+    def gather_floats(self, rows: list[list[float]]) -> list[list[float]]:
         (own,) = rows
         return all_gather_floats(self.env, own)
 
