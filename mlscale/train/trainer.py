@@ -1,5 +1,6 @@
 """The training loop. It knows the task and the strategy's small interface, nothing about which
-strategy runs it, and writes everything through ``RunDir``.
+strategy runs it, and writes everything through ``RunDir``: checkpoints and the final model itself,
+metrics lines, TensorBoard, the console and ``report.json`` through its records (``records.py``).
 
 Per step it measures wall time split into data wait, compute and exposed communication (the part of
 communication the backward pass did not hide); the strategy measures communication busy time.
@@ -13,9 +14,7 @@ import os
 import random
 import sys
 import time
-from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -27,23 +26,19 @@ from mlscale.data import Position, ShardLoader
 from mlscale.data.parquet import ParquetData, ParquetLoader, check_resumable
 from mlscale.data.pipeline import PipelineLoader, StreamLoader, autotune_workers, describe_choice
 from mlscale.errors import MlscaleError
-from mlscale.lineage import code_version, data_fingerprint
+from mlscale.lineage import data_fingerprint
 from mlscale.rundir import RunDir
 from mlscale.tasks import TensorData, make_task
 from mlscale.train.checkpoint import Checkpointer, capture_rng, restore_rng
 from mlscale.train.dist import JOB_START_ENV, DistEnv, broadcast_int
 from mlscale.train.faults import FaultInjector
-from mlscale.train.memory import peak_memory_mb
 from mlscale.train.plan import JobPlan
-from mlscale.train.progress import Progress
-from mlscale.train.records import RankMemory, RankTimings, RankWindow
-from mlscale.train.recovery import Heartbeat, RecoveryTracker, recovery_summary
-from mlscale.train.stragglers import StragglerDetector
+from mlscale.train.records import NO_PROGRESS_ENV as NO_PROGRESS_ENV  # a public name of this module too
+from mlscale.train.records import Records, TrainerFacts
+from mlscale.train.recovery import Heartbeat, RecoveryTracker
 from mlscale.train.strategies import strategy_for
-from mlscale.train.strategy import Batch, Learner, Setup, StepResult, StepRow, StepStart
-from mlscale.train.timing import StepTimes, median, now
-
-NO_PROGRESS_ENV = "MLSCALE_NO_PROGRESS"  # set by a launcher that shows the job's progress itself
+from mlscale.train.strategy import Batch, Learner, Setup, StepResult, StepStart
+from mlscale.train.timing import median, now
 
 
 def build_optimizer(config: TrainConfig, params: Any) -> torch.optim.Optimizer:
@@ -67,52 +62,6 @@ def lr_factor(config: TrainConfig, total: int) -> Any:
     return factor
 
 
-class TensorBoardLog:
-    """``--log tensorboard``: the metrics lines as TensorBoard scalars (torch.utils.tensorboard), in
-    ``RUN_DIR/tensorboard`` beside ``metrics.jsonl``: train/loss, train/lr, train/samples_per_s, the
-    per-rank step timings (time/<rank>/<key>) and eval/<metric>."""
-
-    def __init__(self, directory: Path) -> None:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError:
-            raise MlscaleError("--log tensorboard needs the tensorboard package: pip install "
-                               "'mlscale[tensorboard]'") from None
-        self.writer = SummaryWriter(log_dir=str(directory))
-
-    def write(self, step: int, loss: float, lr: float, samples_per_s: float, shared: list[RankWindow],
-              evaluated: list[dict[str, float]]) -> None:
-        self.writer.add_scalar("train/loss", loss, step)
-        self.writer.add_scalar("train/lr", lr, step)
-        self.writer.add_scalar("train/samples_per_s", samples_per_s, step)
-        for window in shared:
-            for key, value in window.times.as_dict().items():
-                self.writer.add_scalar(f"time/rank{window.rank}/{key}", value, step)
-        for metrics in evaluated:
-            for key, value in metrics.items():
-                if key != "step":
-                    self.writer.add_scalar(f"eval/{key}", value, int(metrics["step"]))
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-@dataclass
-class _Window:
-    """What happened since the last log line."""
-
-    start: float = field(default_factory=now)
-    rows: list[StepRow] = field(default_factory=list)
-    samples: int = 0
-
-
-def by_rank(rows: list[StepRow]) -> dict[int, list[StepRow]]:
-    grouped: dict[int, list[StepRow]] = {}
-    for row in rows:
-        grouped.setdefault(row.rank, []).append(row)
-    return grouped
-
-
 class Trainer:
     def __init__(self, config: TrainConfig, env: DistEnv, run_dir: RunDir, plan: JobPlan) -> None:
         self.config, self.env, self.run_dir, self.plan = config, env, run_dir, plan
@@ -133,14 +82,11 @@ class Trainer:
         self.total_steps, self.global_batch = plan.total_steps, plan.global_batch
         self.checkpointer = self._make_checkpointer(plan.checkpoint_ranks)
         self.checkpoint_stalls_ms: list[float] = []
-        self.stragglers = StragglerDetector(threshold=config.records.straggler_threshold)
+        self.records = Records(config, env, run_dir, self.strategy, self.total_steps)
 
         self.step, self.samples_seen = 0, 0
-        self.memory: dict[str, float] | None = None
         self.data_workers = 0  # what the input pipeline runs with (--data-workers auto: measured)
         self.eval_data: TensorData | None = None
-        self.tensorboard: TensorBoardLog | None = None
-        self.pending_eval: list[dict[str, float]] = []  # --eval-every: for the next metrics line
         self.learners: list[Learner] = []  # the update rules the strategy asked for (one, or a shard's)
         self.positions = {shard: Position() for shard in range(self.shards)}
         self.resumed_from: int | None = None
@@ -167,7 +113,6 @@ class Trainer:
                 dist.barrier()
         self.heartbeat = Heartbeat(run_dir.path / "heartbeat", env.attempt, env.member)
         self.recovery: RecoveryTracker | None = None
-        self.progress: Progress | None = None
         if restarted and env.is_main:
             self.recovery = RecoveryTracker(run_dir.path, run_dir.path / "heartbeat", run_dir.logs / "faults.jsonl",
                                             attempt=env.attempt, resumed_from=self.step)
@@ -363,110 +308,45 @@ class Trainer:
             self.local_steps -= 1  # redone: the same step of this rank again
             self.redo_batch = batch
             return result
-        if self.memory is None:  # after the first step, when gradients and optimizer state exist
-            self.memory = self.strategy.memory()
+        if self.records.memory is None:  # after the first step, when gradients and optimizer state exist
+            self.records.memory = self.strategy.memory()
         self.step = result.step
         self.samples_seen += result.samples
         self.positions.update(result.positions)
         self.heartbeat.beat(self.step)
         if self.recovery is not None:
             event = self.recovery.first_step_done()
-            self._say(self.recovery.resumed_notice(event))
+            self.records.say(self.recovery.resumed_notice(event))
             self.recovery = None
         return result
 
-    def _say(self, text: str) -> None:
-        """A console line from rank 0 (above the progress bar when there is one)."""
-        if self.progress is not None:
-            self.progress.note(text)
-        elif self.strategy.writes_records:
-            print(text, file=sys.stderr, flush=True)
-
     def _evaluate_now(self) -> float:
-        """``--eval-every``: held-out metrics now, kept for the next metrics line; the seconds it took."""
+        """``--eval-every``: held-out metrics now, for the records; the seconds it took."""
         start = now()
         model = self.strategy.evaluator()
         if model is not None:
-            metrics = self.evaluate(model)
-            if self.strategy.writes_records:
-                self.pending_eval.append({"step": self.step, **metrics})
-                self._say(f"eval at step {self.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+            self.records.evaluated(self.step, self.evaluate(model))
         return now() - start
-
-    def _log(self, window: _Window) -> float:
-        """Share loss and timings among record keepers; rank 0 writes a metrics line. Returns the loss."""
-        summaries = [RankWindow.of(rank, rows) for rank, rows in sorted(by_rank(window.rows).items())]
-        shared = self.strategy.share(RankWindow, summaries)
-        if not shared:
-            return float("nan")
-        flagged = self.stragglers.observe(self.step, {r.rank: r.own_ms for r in shared})
-        # By role (a rank may see no loss: early pipeline stages), so that a diverged (NaN) loss still shows.
-        with_loss = [r for r in shared if r.loss_mean is not None and r.loss_last is not None]
-        loss = sum(r.loss_mean for r in with_loss) / len(with_loss) if with_loss else math.nan
-        if self.strategy.writes_records:
-            samples_per_s = window.samples / (now() - window.start)
-            evaluated, self.pending_eval = self.pending_eval, []
-            self.run_dir.append_metrics({
-                "step": self.step,
-                "epoch": self.positions[0].epoch,
-                "loss": loss,
-                "lr": self.strategy.lr(),
-                "samples_per_s": samples_per_s,
-                "time": time.time(),
-                "elapsed_s": now() - self.loop_start,
-                "per_rank": [{"rank": r.rank, **r.times.as_dict(),
-                              "straggler_score": round(self.stragglers.scores.get(r.rank, 1.0), 3)}
-                             for r in shared],
-                "stragglers": flagged,
-                **self.strategy.log_fields(self.step, self.logged_step),
-                **({"eval": evaluated} if evaluated else {}),
-            })
-            if self.tensorboard is not None:
-                self.tensorboard.write(self.step, loss, self.strategy.lr(), samples_per_s, shared, evaluated)
-        if self.progress is not None:
-            self.progress.update(self.step, loss, window.samples / (now() - window.start),
-                                 self.stragglers.describe_now())
-        return sum(r.loss_last for r in with_loss) / len(with_loss) if with_loss else math.nan
 
     def run(self) -> dict[str, Any]:
         """Train to the end, checkpoint, evaluate, and (rank 0) write the report."""
-        config, records = self.config, self.strategy.keeps_records
-        self.loop_start = now()
-        self.tensorboard = TensorBoardLog(self.run_dir.path / "tensorboard") \
-            if "tensorboard" in config.records.log and self.env.member == 0 else None
-        progress = self.progress = Progress(self.total_steps, self.step) \
-            if self.env.member == 0 and config.records.progress and not os.environ.get(NO_PROGRESS_ENV) else None
+        config, keeps_records, records = self.config, self.strategy.keeps_records, self.records
+        records.open(self.step)
         if self.recovery is not None:
-            self._say(self.recovery.restart_notice(config.recovery.max_restarts))
-        # Throughput and timing medians leave out the first steps (warm-up), unless that is all.
-        warm = min(config.records.warmup_steps_for_throughput, max(0, self.total_steps - self.step - 1))
-        start_step = self.step
-        measure_from = (now(), self.step) if warm == 0 else None
-        measured: dict[int, list[StepTimes]] = {}  # rank -> step times (floats only: no device tensors)
-        measured_samples = 0
-        window, final_loss, done = _Window(), float("nan"), self.step >= self.total_steps
+            records.say(self.recovery.restart_notice(config.recovery.max_restarts))
+        done = self.step >= self.total_steps
         try:
             while not done:
                 result = self._train_step()
                 done = result.done
-                if not records or not result.applied:
+                if not keeps_records or not result.applied:
                     continue
-                window.rows.extend(result.rows)
-                window.samples += result.samples
-                if measure_from is not None:
-                    for row in result.rows:
-                        measured.setdefault(row.rank, []).append(row.times)
-                    measured_samples += result.samples
-                elif self.step - start_step >= warm:
-                    measure_from = (now(), self.step)
+                records.add(result, self.step)
                 if config.records.eval_every and self.step % config.records.eval_every == 0 and not done:
-                    spent = self._evaluate_now()  # not training time: left out of the throughput
-                    window.start += spent
-                    if measure_from is not None:
-                        measure_from = (measure_from[0] + spent, measure_from[1])
+                    records.leave_out(self._evaluate_now())  # not training time: left out of the throughput
                 if self.step % config.records.log_every == 0 or done:
-                    final_loss = self._log(window)
-                    window, self.logged_step = _Window(), self.step
+                    records.log(self.step, self.positions[0].epoch, self.logged_step)
+                    self.logged_step = self.step
                 if config.checkpoint.checkpoint_every and self.step % config.checkpoint.checkpoint_every == 0:
                     self._checkpoint(final=done)
         except BaseException:
@@ -476,15 +356,12 @@ class Trainer:
         finally:
             if isinstance(self.loader, StreamLoader):
                 self.loader.close()  # its worker processes
-            if progress is not None:
-                progress.close()
-            if self.tensorboard is not None:
-                self.tensorboard.close()
-        if records and (not config.checkpoint.checkpoint_every or self.step % config.checkpoint.checkpoint_every):
+            records.close()
+        if keeps_records and (not config.checkpoint.checkpoint_every or self.step % config.checkpoint.checkpoint_every):
             self._checkpoint(final=True)
         self.checkpointer.wait()
         self.heartbeat.close()
-        report = self._finish(final_loss, measured, measured_samples, measure_from) if records else {}
+        report = self._finish() if keeps_records else {}
         self.strategy.close()
         return report
 
@@ -520,65 +397,31 @@ class Trainer:
         model.train()
         return self.task.metrics_fn(outputs, data.targets)
 
-    def _share_memory(self) -> list[dict[str, float]]:
-        """Every record keeper's measured state memory and peak (a collective among them)."""
-        own = RankMemory(self.env.rank, dict(self.memory or {}), peak_memory_mb(self.env.device))
-        return [row.as_report() for row in self.strategy.share(RankMemory, [own]) if "state_mb" in row.state]
-
-    def _finish(self, final_loss: float, measured: dict[int, list[StepTimes]], samples: int,
-                measure_from: tuple[float, int] | None) -> dict[str, Any]:
-        end = now()
-        own = [RankTimings(rank, StepTimes.medians(measured[rank])) for rank in sorted(measured)] \
-            or ([RankTimings(self.env.rank, StepTimes())] if self.shard is not None else [])
-        per_rank = [{"rank": r.rank, **r.medians.as_dict("_p50")} for r in self.strategy.share(RankTimings, own)]
-        memory = self._share_memory()
+    def _finish(self) -> dict[str, Any]:
+        """The report's shared rows (collectives among record keepers), then on the rank that holds the
+        final model: its weights, its held-out metrics and ``report.json``."""
+        per_rank, memory = self.records.share_final(reads_data=self.shard is not None)
         model = self.strategy.full_model()
         if model is None:
             return {}
-        samples_per_s = samples / (end - measure_from[0]) if measure_from and samples else 0.0
         self.run_dir.write_final_model(model, metadata={"task": self.config.task, "step": str(self.step)})
-        job_start = float(os.environ.get(JOB_START_ENV, time.time()))
-        strategy_report = self.strategy.report()
-        report = {
-            "status": "completed",
-            "task": self.config.task,
-            "strategy": self.config.strategy,
-            "world_size": self.env.world_size * self.env.replicas,
-            "workers": self.shards,
-            "steps": self.step,
-            "samples_seen": self.samples_seen,
-            "samples_per_s": samples_per_s,
-            "final_loss": final_loss,
-            "eval": self.evaluate(model),
-            "restarts": self.env.attempt,
-            "recovery": {**recovery_summary(self.run_dir.path), **strategy_report.pop("recovery", {})},
-            "checkpoint": {
+        return self.records.write_report(per_rank, memory, TrainerFacts(
+            workers=self.shards,
+            steps=self.step,
+            samples_seen=self.samples_seen,
+            eval=self.evaluate(model),
+            checkpoint={
                 "async": self.config.checkpoint.async_checkpoint,
                 "saves_during_training": len(self.checkpoint_stalls_ms),
                 "stall_ms_p50": median(self.checkpoint_stalls_ms),
                 "stall_ms_max": max(self.checkpoint_stalls_ms, default=0.0),
                 "write_ms_p50": median(self.checkpointer.write_ms),
             },
-            "per_rank": per_rank,
-            "data": self._data_report(),
-            "features": self.task.info.get("features"),  # trained on a feature service: its list and statistics
-            "memory": memory,
-            "stragglers": sorted(self.stragglers.first_flagged),
-            "straggler_detection": self.stragglers.summary(),
-            **strategy_report,
-            "wall_s": time.time() - job_start,
-            "model_uri": None,
-            "run_dir": str(self.run_dir.path),
-            "resumed_from_step": self.resumed_from,
-            "resumed_from_world_size": self.resumed_world_size,
-            "epochs": self.samples_seen / len(self.train_data),
-            "dtype": self.config.compute.dtype,
-            "precision": self.config.compute.precision,
-            "mixed_precision": self.learners[0].precision_report() if self.learners else None,
-            "device": str(self.env.device),
-            "torch": torch.__version__,
-            "data_fingerprint": data_fingerprint(self.task.train, self.task.eval),
-            "code_version": code_version(),
-        }
-        self.run_dir.write_report(report)
-        return report
+            data=self._data_report(),
+            features=self.task.info.get("features"),
+            resumed_from_step=self.resumed_from,
+            resumed_from_world_size=self.resumed_world_size,
+            epochs=self.samples_seen / len(self.train_data),
+            mixed_precision=self.learners[0].precision_report() if self.learners else None,
+            data_fingerprint=data_fingerprint(self.task.train, self.task.eval),
+        ))
