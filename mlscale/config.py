@@ -50,11 +50,13 @@ ONLY_DDP = {"strategy": ("ddp",), "fault_tolerance": ("restart",)}
 
 
 def option(default: Any = None, help: str = "", *, metavar: str | None = None, flag: str | None = None,
-           only: dict[str, tuple[str, ...]] | None = None, **constraints: Any) -> Any:
+           only: dict[str, tuple[str, ...]] | None = None, why: str | None = None, **constraints: Any) -> Any:
     """A declared option: its default, its help (the flag's, without the default: that is added), and
     for the command line its ``metavar`` and ``flag`` (default ``--field-name``). ``only``: the values
-    of other options it applies under (``{"strategy": ("ddp",)}``); given under others, it is refused."""
-    extra = {key: value for key, value in (("metavar", metavar), ("flag", flag), ("only", only)) if value}
+    of other options it applies under (``{"strategy": ("ddp",)}``); given under others, it is refused, with
+    ``why`` when the reason helps the user on."""
+    extra = {key: value for key, value in (("metavar", metavar), ("flag", flag), ("only", only), ("why", why))
+             if value}
     if callable(default):
         return Field(default_factory=default, description=help, json_schema_extra=extra, **constraints)
     return Field(default, description=help, json_schema_extra=extra, **constraints)
@@ -67,6 +69,7 @@ class Options(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
     title: ClassVar[str] = ""
     only: ClassVar[dict[str, tuple[str, ...]]] = {}
+    why: ClassVar[str] = ""  # added to a refusal of one of the group's options
 
 
 class OptimOptions(Options):
@@ -80,7 +83,8 @@ class OptimOptions(Options):
     warmup_steps: int = option(0, "steps of linear warm-up to --lr", ge=0, metavar="K")
     clip_grad_norm: float | None = option(
         None, "clip the gradients' global L2 norm to X before each update (after unscaling under fp16)", gt=0,
-        metavar="X", only={"strategy": ("ddp", "fsdp")})
+        metavar="X", only={"strategy": ("ddp", "fsdp")},
+        why="the others hold the gradients on several ranks without their global norm")
 
 
 class DataOptions(Options):
@@ -181,6 +185,8 @@ class TorchftOptions(Options):
 class DDPOptions(Options):
     title = "data parallel (--strategy ddp)"
     only = ONLY_DDP
+    why = "a DDP communication hook or bucket size; other strategies and per-step fault tolerance do not all-reduce " \
+        "through DDP"
 
     compress: Literal["none", "fp16", "bf16", "powersgd"] = option(
         "none", "gradient compression of the all-reduce (a DDP communication hook): fp16 or bf16 (gradients cast "
@@ -191,7 +197,8 @@ class DDPOptions(Options):
         "earlier, larger ones send fewer messages", gt=0, metavar="MB")
     compile: bool = option(
         False, "torch.compile the model (in place: weights and checkpoints unchanged); the first steps pay for "
-        "compiling, report.json has the step times with and without that (`compile`)")
+        "compiling, report.json has the step times with and without that (`compile`)",
+        why="built for ddp here; other strategies run their model uncompiled")
 
 
 class PSOptions(Options):
@@ -272,7 +279,9 @@ class TrainConfig(BaseModel):
                              "several processes still takes this many", metavar="B", ge=1)
     grad_accum: int = option(1, "gradient accumulation: K micro-steps of --batch-size samples per optimizer step, "
                              "gradients synchronised once, on the last; trains like --batch-size x K", ge=1,
-                             metavar="K", only={"strategy": ("ddp", "fsdp", "tp")})
+                             metavar="K", only={"strategy": ("ddp", "fsdp", "tp")},
+                             why="a pipeline accumulates over its --microbatches already, parameter server "
+                             "workers push every gradient: raise --microbatches or --batch-size instead")
     seed: int = option(0, "seeds the weights, the data order and every random draw", metavar="S", ge=0, lt=2**32)
     run_dir: str | None = option(None, "where config, metrics, checkpoints and report go (default: "
                                  "runs/<time>-<task>)", metavar="DIR")
@@ -310,14 +319,15 @@ class TrainConfig(BaseModel):
     @model_validator(mode="after")
     def _options_apply(self) -> TrainConfig:
         """Refuse an option given (not at its default) under a strategy or mode it does not apply to."""
-        for name, value, default, only in self._declared():
+        for name, value, default, only, why in self._declared():
             if value == default:
                 continue
             for key, allowed in only.items():
                 actual = self.value_of(key)
                 if actual not in allowed:
                     raise UsageError(f"bad value {cli_name(name)}={_shown(value)!r}: an option of --{cli_name(key)} "
-                                     f"{' or '.join(allowed)}, not of --{cli_name(key)} {actual}")
+                                     f"{' or '.join(allowed)}, not of --{cli_name(key)} {actual}"
+                                     + (f" ({why})" if why else ""))
         if self.torchft.lighthouse and self.torchft.heartbeat_timeout_ms != 1000:
             raise ValueError("heartbeat-timeout-ms sets the lighthouse mlscale starts; with --lighthouse, give it to "
                              "that lighthouse (torchft_lighthouse --heartbeat_timeout_ms)")
@@ -327,8 +337,8 @@ class TrainConfig(BaseModel):
                              "passes itself (ddp, fsdp and tp take this fault)")
         return self
 
-    def _declared(self) -> list[tuple[str, Any, Any, dict[str, tuple[str, ...]]]]:
-        """(name, value, default, only) of every option."""
+    def _declared(self) -> list[tuple[str, Any, Any, dict[str, tuple[str, ...]], str]]:
+        """(name, value, default, only, why) of every option."""
         rows = []
         for model, owner in [(self, None), *((getattr(self, group), group) for group in GROUPS)]:
             group_only = type(model).only if owner else {}
@@ -337,7 +347,8 @@ class TrainConfig(BaseModel):
                     continue
                 extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
                 default = field.default_factory() if field.default_factory else field.default
-                rows.append((name, getattr(model, name), default, {**group_only, **extra.get("only", {})}))
+                why = extra.get("why") or (type(model).why if owner else "")
+                rows.append((name, getattr(model, name), default, {**group_only, **extra.get("only", {})}, why))
         return rows
 
     def given(self) -> dict[str, Any]:

@@ -218,7 +218,8 @@ def test_a_model_too_big_for_one_process_fails_there_and_trains_sharded_or_split
     (["--strategy", "pipeline", "--workers", "2", "--task-opt", "layers=1"], "only 1 block(s) to split"),
     (["--strategy", "tp", "--workers", "3"], "the 4 attention heads over the ranks"),
     (["--strategy", "tp", "--workers", "2", "--fp16"], "cannot unscale tp's mix"),
-    (["--strategy", "tp", "--workers", "2", "--clip-grad-norm", "1"], "without their global norm"),
+    (["--strategy", "tp", "--workers", "2", "--clip-grad-norm", "1"], "not of --strategy tp (the others hold the "
+     "gradients on several ranks without their global norm)"),
     (["--strategy", "pipeline", "--workers", "2", "--fault", "inf_grad:rank=0:step=2"], "runs its backward passes"),
     (["--strategy", "pipeline", "--workers", "2", "--batch-size", "6"], "microbatches=4: must divide --batch-size 6"),
     (["--strategy", "pipeline", "--workers", "2", "--microbatches", "1"], "1f1b needs at least one microbatch"),
