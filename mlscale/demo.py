@@ -23,6 +23,7 @@ from mlscale import TrainConfig, fit
 from mlscale.errors import MlscaleError
 from mlscale.export import export_version
 from mlscale.registry import Registry, register_run
+from mlscale.rundir import RunDir
 from mlscale.train.plot import plot_run
 
 REGISTRY = "mlscale-registry"
@@ -120,12 +121,12 @@ def measure_serving(registry: Registry, run_dir: Path, trial_s: float = 1.5) -> 
     met = [t for t in trials if t["meets_slo"]]
     at_goodput = max(met, key=lambda t: t["offered_rate"], default=trials[0])
     failed = min((t["offered_rate"] for t in trials if not t["meets_slo"]), default=float("nan"))
-    plot = run_dir / "plots" / "serving.png"
+    plot = RunDir(run_dir).serving_plot_path
     bench.plot({"slo_ms": SLO_MS, "models": {f"{MODEL_NAME} (distinct inputs, cache off)": {"systems": {
         "mlscale": {"goodput": goodput, "trials": trials}}}}}, plot)
     cache = {"rate": cache_rate, "distinct": len(repeated["rows"]), "p50_ms": cached["latency_ms"]["p50"],
              "hit_ratio": hits / max(hits + misses, 1)}
-    (run_dir / "serving.json").write_text(json.dumps({
+    RunDir(run_dir).serving_path.write_text(json.dumps({
         "goodput": goodput, "slo_ms": SLO_MS, "inputs": "distinct (held-out digits + noise), cache off",
         "trials": trials, "cache_check": {**cache, "uncached_p50_ms": uncached["latency_ms"]["p50"],
                                           "note": "repeated inputs with the cache on, measured apart from goodput"}},

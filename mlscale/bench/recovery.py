@@ -17,7 +17,6 @@ failure. Measured per killed run, from the run directory:
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -29,6 +28,7 @@ from mlscale.bench.machine import machine_info
 from mlscale.bench.report import median_bars, pyplot, save_figure, write_results
 from mlscale.cli_parsers import add_out_option, int_at_least
 from mlscale.io import read_jsonl
+from mlscale.rundir import RunDir
 
 MODES = ("restart", "per-step")
 VICTIM = 1
@@ -71,9 +71,10 @@ def failure_costs(run_dir: Path, mode: str, steady_s: float, steps: int, kill_st
     """What the kill cost in a killed run's directory (see the module's docstring)."""
     from mlscale.train.strategies.per_step import read_replica_logs
 
-    report = json.loads((run_dir / "report.json").read_text())
-    killed_at = _lines(run_dir / "logs" / "faults.jsonl")[0]["time"]
-    end = _lines(run_dir / "metrics.jsonl")[-1]["time"]
+    run = RunDir(run_dir)
+    report = run.read_report()
+    killed_at = _lines(run.faults_path)[0]["time"]
+    end = run.read_metrics()[-1]["time"]
     left = steps - (kill_step - 1)  # the steps from the one the victim died before, to the end
     costs = {"lost_s": (end - killed_at) - left * steady_s, "steady_step_s": steady_s}
     if mode == "restart":

@@ -22,7 +22,7 @@ from typing import Any
 
 from mlscale.bench.machine import machine_info
 from mlscale.bench.report import pyplot, save_figure, write_results
-from mlscale.io import read_jsonl
+from mlscale.rundir import RunDir
 
 MODES: dict[str, list[str]] = {
     "ddp": ["--strategy", "ddp"],
@@ -75,7 +75,7 @@ def _run(task: str, mode: str, scenario: str, args: argparse.Namespace, scratch:
                           run_dir=str(scratch / f"{task}-{mode}-{scenario}-{time.time_ns()}"),
                           warmup_steps_for_throughput=5, progress=False, **overrides)
     report = fit(config)
-    lines = read_jsonl(Path(config.run_dir or "") / "metrics.jsonl")
+    lines = RunDir(config.run_dir or "").read_metrics()
     return {"samples_per_s": report["samples_per_s"], "final_loss": report["final_loss"],
             "eval": report["eval"], "stragglers": report["stragglers"],
             "curve": [(line["elapsed_s"], line["loss"]) for line in lines],

@@ -37,13 +37,14 @@ from pathlib import Path
 
 from mlscale.faultspec import ANY_RANK, Fault, parse_fault
 from mlscale.io import atomic_write_json, read_records
+from mlscale.rundir import RunDir
 
 
 class FaultInjector:
     """Applies the faults aimed at this rank; does nothing when there are none."""
 
     def __init__(self, specs: list[Fault] | list[str], rank: int, first_attempt: bool,
-                 log_path: Path | None = None, data_ranks: list[int] | None = None, seed: int = 0, fresh: bool = True,
+                 run_dir: RunDir | None = None, data_ranks: list[int] | None = None, seed: int = 0, fresh: bool = True,
                  hold_s: float = 0.0, started: float = 0.0) -> None:
         faults = [parse_fault(spec) for spec in specs]  # the config's are parsed already: kept as they are
         once = [f for f in faults if first_attempt and f.kind != "slow"]
@@ -53,11 +54,12 @@ class FaultInjector:
         self._inf = {f.step: f for f in once if f.kind == "inf_grad" and f.rank == rank}
         self._slow = [f for f in faults if f.kind == "slow" and f.rank in (rank, ANY_RANK)]
         self._data_ranks = data_ranks if data_ranks is not None else [rank]
-        self.rank, self.log_path, self.seed = rank, log_path, seed
+        self.rank, self.run_dir, self.seed = rank, run_dir, seed
+        self.log_path = None if run_dir is None else run_dir.faults_path  # where a fault is written as it fires
         # rejoin_by: kills fire in a fresh run only; a replacement (not the first attempt) of a rank killed
         # so says when it is up, the others wait for that. ``started``: this launch's start (unix seconds),
         # before which a fired kill is an earlier launch's.
-        rejoins = [f for f in faults if f.rejoin_by] if fresh and log_path is not None else []
+        rejoins = [f for f in faults if f.rejoin_by] if fresh and run_dir is not None else []
         self._awaited = [f for f in rejoins if f.rank != rank]
         self._announces = not first_attempt and any(f.rank == rank for f in rejoins)
         self._settled: set[Fault] = set()
@@ -111,8 +113,8 @@ class FaultInjector:
         """Called once this process can be seen by its peers (per-step: its Manager heartbeats to the
         lighthouse). The replacement of a rank killed with ``rejoin_by`` says so in
         ``logs/rejoined/rank<R>.json``."""
-        if self._announces and self.log_path is not None:
-            atomic_write_json(rejoined_path(self.log_path.parent, self.rank), {"time": time.time()})
+        if self._announces and self.run_dir is not None:
+            atomic_write_json(self.run_dir.rejoined_path(self.rank), {"time": time.time()})
 
     def hold(self, step: int) -> None:
         """Before ``step`` begins: for each rank killed with ``rejoin_by`` <= ``step``, wait until its kill
@@ -126,14 +128,14 @@ class FaultInjector:
             self._settled.add(fault)
 
     def _replaced(self, fault: Fault) -> bool:
-        assert self.log_path is not None
-        fired = [record["time"] for record in read_records(self.log_path)
+        assert self.run_dir is not None
+        fired = [record["time"] for record in read_records(self.run_dir.faults_path)
                  if (record.get("kind"), record.get("rank"), record.get("step")) == (fault.kind, fault.rank, fault.step)
                  and record.get("time", 0) >= self.started]
         if not fired:
             return False
         try:
-            up = json.loads(rejoined_path(self.log_path.parent, fault.rank).read_text())["time"]
+            up = json.loads(self.run_dir.rejoined_path(fault.rank).read_text())["time"]
         except (OSError, ValueError, KeyError, TypeError):
             return False
         return bool(up >= max(fired))
@@ -154,11 +156,3 @@ class FaultInjector:
         with partial_file.open("r+b") as handle:  # leave a torn file, as a crash mid-write would
             handle.truncate(max(1, partial_file.stat().st_size // 2))
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-def rejoined_path(logs: Path, rank: int) -> Path:
-    """Where the replacement of a rank killed with ``rejoin_by`` says it is up."""
-    return logs / "rejoined" / f"rank{rank}.json"
-
-
-

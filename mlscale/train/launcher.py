@@ -32,7 +32,7 @@ from mlscale.train.recovery import KNOCK_ON
 from mlscale.train.replica_groups import launch_replica_groups
 from mlscale.train.strategies import strategy_for
 from mlscale.train.trainer import JOB_START_ENV
-from mlscale.train.worker import run_worker, save_traceback, traceback_path
+from mlscale.train.worker import run_worker, save_traceback
 
 _TIMEOUT = re.compile(r"timed out|timeout", re.I)
 
@@ -213,7 +213,7 @@ def _launch_local(config: TrainConfig, plan: JobPlan, run_dir: RunDir) -> None:
         rdzv_backend="c10d", rdzv_endpoint="localhost:0", rdzv_configs={"timeout": 120},
         max_restarts=config.recovery.max_restarts, monitor_interval=0.1, start_method="spawn",
         local_addr=LOCAL_HOST,  # what the workers are told to connect to: the stores listen there only
-        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir.logs / "elastic")),
+        logs_specs=DefaultLogsSpecs(log_dir=str(run_dir.elastic_logs)),
     )
     try:
         with stores_listening_on(LOCAL_HOST):  # the agent's, in this process
@@ -234,7 +234,7 @@ def _failure_paragraph(config: TrainConfig, run_dir: RunDir, rank: int, how: str
         lines.append(f"  resume with: mlscale train --run-dir {run_dir.path} --resume")
     else:
         lines.append("  no checkpoint was written (see --checkpoint-every).")
-    where = traceback_path(run_dir, rank)
+    where = run_dir.traceback_path(rank)
     if where.exists():
         lines.append(f"  traceback: {where}")
     return "\n".join(lines)

@@ -17,7 +17,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     from matplotlib.ticker import FuncFormatter
     run = RunDir(run_dir)
     metrics, report = run.read_metrics(), run.read_report()
-    out = Path(out) if out else run.path / "plots" / "training.png"
+    out = Path(out) if out else run.training_plot_path
     out.parent.mkdir(parents=True, exist_ok=True)
     steps = [m["step"] for m in metrics]
     fig, (loss_ax, speed_ax, split_ax) = plt.subplots(1, 3, figsize=(14, 4))

@@ -207,7 +207,7 @@ class Records:
         config = self.config
         self.loop_start = now()
         if "tensorboard" in config.records.log and self.env.member == 0:
-            self.tensorboard = TensorBoardLog(self.run_dir.path / "tensorboard")
+            self.tensorboard = TensorBoardLog(self.run_dir.tensorboard)
         if self.env.member == 0 and config.records.progress and not os.environ.get(NO_PROGRESS_ENV):
             self.progress = Progress(self.total_steps, step)
         self.warm = min(config.records.warmup_steps_for_throughput, max(0, self.total_steps - step - 1))
@@ -325,7 +325,7 @@ class Records:
             "final_loss": self.final_loss,
             "eval": trainer.eval,
             "restarts": env.attempt,
-            "recovery": {**recovery_summary(self.run_dir.path), **strategy_report.pop("recovery", {})},
+            "recovery": {**recovery_summary(self.run_dir), **strategy_report.pop("recovery", {})},
             "checkpoint": trainer.checkpoint,
             "per_rank": per_rank,
             "data": trainer.data,

@@ -31,9 +31,10 @@ _FAULT_WORDS = {"kill": "was killed{at} (SIGKILL, injected by --fault)",
 
 
 class Heartbeat:
-    def __init__(self, directory: Path, attempt: int, rank: int) -> None:
-        directory.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(directory / f"attempt{attempt}-rank{rank}", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    def __init__(self, run_dir: RunDir, attempt: int, rank: int) -> None:
+        path = run_dir.heartbeat_path(attempt, rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
 
     def beat(self, step: int) -> None:
         os.pwrite(self._fd, _RECORD.pack(step, time.time()), 0)
@@ -42,9 +43,9 @@ class Heartbeat:
         os.close(self._fd)
 
 
-def last_beats(directory: Path, attempt: int) -> list[tuple[int, float]]:
+def last_beats(run_dir: RunDir, attempt: int) -> list[tuple[int, float]]:
     beats = []
-    for path in sorted(directory.glob(f"attempt{attempt}-rank*")):
+    for path in run_dir.heartbeat_paths(attempt):
         data = path.read_bytes()
         if len(data) >= _RECORD.size:
             beats.append(_RECORD.unpack(data[: _RECORD.size]))
@@ -61,26 +62,21 @@ def launch_id() -> str:
     return os.environ.get("TORCHELASTIC_RUN_ID", "")
 
 
-def failures_path(logs: Path) -> Path:
-    return logs / "failures.jsonl"
-
-
 def record_failure(run_dir: RunDir, attempt: int, rank: int, exc: BaseException) -> None:
     """Append a worker's own error (one line of it, and the steps it had completed, from its heartbeat)
     for the restarted group to report."""
-    logs = run_dir.logs
-    logs.mkdir(parents=True, exist_ok=True)
-    beat = run_dir.path / "heartbeat" / f"attempt{attempt}-rank{rank}"
+    run_dir.failures_path.parent.mkdir(parents=True, exist_ok=True)
+    beat = run_dir.heartbeat_path(attempt, rank)
     data = beat.read_bytes() if beat.exists() else b""
     step = _RECORD.unpack(data[: _RECORD.size])[0] if len(data) >= _RECORD.size else None
     text = first_line(exc)[:300]
     record = {"run_id": launch_id(), "attempt": attempt, "rank": rank, "step": step, "time": time.time(),
               "error": f"{type(exc).__name__}: {text}" if text else type(exc).__name__}
-    with failures_path(logs).open("a") as handle:
+    with run_dir.failures_path.open("a") as handle:
         handle.write(json.dumps(record) + "\n")
 
 
-def describe_failure(logs: Path, attempt: int, beats: list[tuple[int, float]]) -> str:
+def describe_failure(run_dir: RunDir, attempt: int, beats: list[tuple[int, float]]) -> str:
     """In words: which rank of ``attempt`` failed first, how, and at which step.
 
     In order: a fault injected in that attempt (faults fire on the first attempt only); the earliest
@@ -88,12 +84,12 @@ def describe_failure(logs: Path, attempt: int, beats: list[tuple[int, float]]) -
     stopped first without an error of its own (killed by a signal, or hung)."""
     this_launch = launch_id()
     if attempt == 0:  # injected faults fire on a launch's first attempt only
-        faults = [r for r in read_records(logs / "faults.jsonl") if r.get("run_id") == this_launch]
+        faults = [r for r in read_records(run_dir.faults_path) if r.get("run_id") == this_launch]
         for fault in sorted(faults, key=lambda r: r["time"]):
             at = f" at step {fault['step']}" if fault.get("step") else ""
             how = _FAULT_WORDS.get(fault["kind"], fault["kind"] + "{at}").format(at=at)
             return f"worker rank {fault.get('rank', 0)} {how}"
-    errors = sorted((r for r in read_records(failures_path(logs)) if r.get("run_id") == this_launch
+    errors = sorted((r for r in read_records(run_dir.failures_path) if r.get("run_id") == this_launch
                      and r["attempt"] == attempt), key=lambda r: r["time"])
     own = [r for r in errors if not KNOCK_ON.search(r["error"])]
     if own:
@@ -110,13 +106,13 @@ def describe_failure(logs: Path, attempt: int, beats: list[tuple[int, float]]) -
 class RecoveryTracker:
     """Rank 0's view of one restart: built before the first resumed step, closed after it."""
 
-    def __init__(self, run_path: Path, heartbeat_dir: Path, fault_log: Path, attempt: int, resumed_from: int):
-        beats = last_beats(heartbeat_dir, attempt - 1)
+    def __init__(self, run_dir: RunDir, attempt: int, resumed_from: int):
+        beats = last_beats(run_dir, attempt - 1)
         self.failed_at_step = max((step for step, _ in beats), default=resumed_from)
-        previous = [t for _, t in beats] + fault_times(fault_log)
+        previous = [t for _, t in beats] + fault_times(run_dir.faults_path)
         self.failure_time = max(previous, default=None)
-        self.attempt, self.resumed_from, self.path = attempt, resumed_from, run_path / "recovery.jsonl"
-        self.failure = describe_failure(fault_log.parent, attempt - 1, beats)
+        self.attempt, self.resumed_from, self.path = attempt, resumed_from, run_dir.recovery_path
+        self.failure = describe_failure(run_dir, attempt - 1, beats)
 
     def restart_notice(self, max_restarts: int) -> str:
         return (f"mlscale: {self.failure}; restarted the worker group (restart {self.attempt} of {max_restarts}), "
@@ -141,9 +137,8 @@ class RecoveryTracker:
         return event
 
 
-def recovery_summary(run_path: Path) -> dict[str, Any]:
-    path = run_path / "recovery.jsonl"
-    events = read_jsonl(path)
+def recovery_summary(run_dir: RunDir) -> dict[str, Any]:
+    events = read_jsonl(run_dir.recovery_path)
     downtimes = [e["downtime_s"] for e in events if e["downtime_s"] is not None]
     return {
         "events": events,

@@ -39,10 +39,8 @@ from mlscale.train.strategies.per_step import (
     TOKEN_ENV,
     import_torchft,
     job_finished,
-    replica_log_path,
 )
 from mlscale.train.trainer import NO_PROGRESS_ENV
-from mlscale.train.worker import traceback_path
 
 _POLL_S = 0.2
 _FINISHED_GRACE_S = 15.0  # after the report: for the other groups to write their last lines and leave
@@ -110,8 +108,7 @@ def launch_replica_groups(config: TrainConfig, run_dir: RunDir, total_steps: int
             # A fresh store per rendezvous round: a restarted group's ranks must not read the torchft
             # Manager address its previous attempt published in the agent's store.
             env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-        logs = run_dir.logs / "agents"
-        logs.mkdir(parents=True, exist_ok=True)
+        run_dir.agent_log(0).parent.mkdir(parents=True, exist_ok=True)
         devices = gpus_per_group(config)
         agents = []
         try:
@@ -119,7 +116,7 @@ def launch_replica_groups(config: TrainConfig, run_dir: RunDir, total_steps: int
                 own = {REPLICA_ENV: str(group)}
                 if devices is not None:
                     own["CUDA_VISIBLE_DEVICES"] = ",".join(devices[group])
-                with (logs / f"replica{group}.log").open("ab") as out:
+                with run_dir.agent_log(group).open("ab") as out:
                     agents.append(subprocess.Popen(agent_command(config, run_dir), env={**env, **own},
                                                    stdout=out, stderr=subprocess.STDOUT))
             codes = _follow(config, run_dir, agents, total_steps)
@@ -129,9 +126,9 @@ def launch_replica_groups(config: TrainConfig, run_dir: RunDir, total_steps: int
     if _completed(run_dir, total_steps):
         for group in failed:
             print(f"mlscale: replica group {group} stopped for good (its restarts spent); the others finished "
-                  f"without it. Its log: {logs / f'replica{group}.log'}", file=sys.stderr)
+                  f"without it. Its log: {run_dir.agent_log(group)}", file=sys.stderr)
         return
-    _fail(config, run_dir, failed or list(range(groups)), logs)
+    _fail(config, run_dir, failed or list(range(groups)))
 
 
 def _follow(config: TrainConfig, run_dir: RunDir, agents: list[subprocess.Popen[bytes]], total: int) -> list[int]:
@@ -159,7 +156,7 @@ class _Watcher:
 
     def __init__(self, run_dir: RunDir, groups: int) -> None:
         self.run_dir, self.groups = run_dir, groups
-        paths = [run_dir.metrics_path, *(replica_log_path(run_dir.path, group) for group in range(groups))]
+        paths = [run_dir.metrics_path, *(run_dir.replica_log(group) for group in range(groups))]
         # What earlier launches of a resumed run wrote is not news.
         self.offsets: dict[Path, int] = {path: path.stat().st_size for path in paths if path.exists()}
         self.members: list[int] | None = None
@@ -181,7 +178,7 @@ class _Watcher:
     def read(self, progress: Progress | None) -> None:
         say = progress.note if progress is not None else (lambda text: print(text, file=sys.stderr, flush=True))
         for group in range(self.groups):
-            for line in self._new_lines(replica_log_path(self.run_dir.path, group)):
+            for line in self._new_lines(self.run_dir.replica_log(group)):
                 if line.get("event") == "start" and line.get("attempt", 0) > 0:
                     say(f"mlscale: replica group {group} restarted (attempt {line['attempt']}); it will recover "
                         "from a live peer")
@@ -215,7 +212,7 @@ def _stop(agents: list[subprocess.Popen[bytes]], grace_s: float = 30.0) -> None:
 
 def _completed(run_dir: RunDir, total_steps: int) -> bool:
     """The last step committed and the leader's completed report written."""
-    if not job_finished(run_dir.path, total_steps) or not run_dir.report_path.exists():
+    if not job_finished(run_dir, total_steps) or not run_dir.report_path.exists():
         return False
     with contextlib.suppress(ValueError):
         report = run_dir.read_report()
@@ -223,12 +220,12 @@ def _completed(run_dir: RunDir, total_steps: int) -> bool:
     return False
 
 
-def _fail(config: TrainConfig, run_dir: RunDir, failed: list[int], logs: Path) -> None:
+def _fail(config: TrainConfig, run_dir: RunDir, failed: list[int]) -> None:
     lines = [f"training failed: replica group(s) {', '.join(map(str, failed))} stopped and the job did not finish."]
     lines.append(f"  restarts per group: {config.recovery.max_restarts} (--max-restarts); the fewest replica "
                  f"groups that may commit a step: {config.torchft.min_replicas} (--min-replicas).")
     for group in failed:
-        where = traceback_path(run_dir, group * config.torchft.group_size)  # named by member: its rank 0's
+        where = run_dir.traceback_path(group * config.torchft.group_size)  # named by member: its rank 0's
         lines.append(f"  replica group {group}: " + (f"traceback {where}" if where.exists() else
-                                                     f"log {logs / f'replica{group}.log'}"))
+                                                     f"log {run_dir.agent_log(group)}"))
     raise WorkerFailed("\n".join(lines), rank=failed[0] * config.torchft.group_size)  # its rank 0, counted in the job

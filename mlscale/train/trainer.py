@@ -75,7 +75,7 @@ class Trainer:
         self.strategy = strategy_type(env, config, plan)
         self.faults = FaultInjector(config.recovery.faults, env.member,
                                     first_attempt=env.attempt == 0 and not config.resume,
-                                    log_path=run_dir.logs / "faults.jsonl", data_ranks=data_ranks, seed=config.seed,
+                                    run_dir=run_dir, data_ranks=data_ranks, seed=config.seed,
                                     fresh=not config.resume, hold_s=config.recovery.collective_timeout_s,
                                     started=float(os.environ.get(JOB_START_ENV, 0)))
         assert plan.total_steps is not None, "a worker's plan has the job's length"
@@ -111,11 +111,10 @@ class Trainer:
             self._restore(*found)
             if env.distributed:  # nobody saves (and prunes) before every rank has read its part
                 dist.barrier()
-        self.heartbeat = Heartbeat(run_dir.path / "heartbeat", env.attempt, env.member)
+        self.heartbeat = Heartbeat(run_dir, env.attempt, env.member)
         self.recovery: RecoveryTracker | None = None
         if restarted and env.is_main:
-            self.recovery = RecoveryTracker(run_dir.path, run_dir.path / "heartbeat", run_dir.logs / "faults.jsonl",
-                                            attempt=env.attempt, resumed_from=self.step)
+            self.recovery = RecoveryTracker(run_dir, attempt=env.attempt, resumed_from=self.step)
         self.loader: ShardLoader | StreamLoader | None = None
         self.loader = None if self.shard is None else self._make_loader()
 
@@ -132,7 +131,7 @@ class Trainer:
         loader_type = ParquetLoader if streamed else PipelineLoader
         # One cache per process (ranks that read the same shard, under tp or pipeline, keep their own),
         # valid for this task, its options and dtype only.
-        cache_dir = self.run_dir.path / "data-cache" / f"rank{self.env.member}"
+        cache_dir = self.run_dir.data_cache(self.env.member)
         cache_key = json.dumps([config.task, config.task_options, config.compute.dtype], sort_keys=True, default=str)
 
         def make(workers: int, cache: str = config.data.data_cache) -> StreamLoader:

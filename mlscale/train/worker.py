@@ -51,12 +51,8 @@ def run_worker(config: TrainConfig, run_dir: RunDir, plan: JobPlan, destroy_grou
     return report
 
 
-def traceback_path(run_dir: RunDir, rank: int) -> Path:
-    return run_dir.logs / f"rank{rank}.traceback.txt"
-
-
 def save_traceback(run_dir: RunDir, rank: int, exc: BaseException) -> Path:
-    path = traceback_path(run_dir, rank)
+    path = run_dir.traceback_path(rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(traceback.format_exception(exc)))
     return path

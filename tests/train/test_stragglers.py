@@ -8,6 +8,7 @@ import pytest
 
 from mlscale.errors import UsageError
 from mlscale.faultspec import ANY_RANK, parse_fault
+from mlscale.rundir import RunDir
 from mlscale.train.faults import FaultInjector
 from mlscale.train.stragglers import StragglerDetector
 from mlscale.train.strategies.ps_server import shard_by_size
@@ -84,21 +85,21 @@ def test_parameters_are_sharded_whole_and_balanced_by_size():
 
 def test_rejoin_by_holds_the_others_until_the_killed_ranks_replacement_is_up(tmp_path):
     """What lets a per-step test wait on a replacement's start instead of on the host being fast."""
-    log = tmp_path / "logs" / "faults.jsonl"
+    run = RunDir(tmp_path)
     spec = "kill:rank=0:step=3:rejoin_by=5"
     assert parse_fault(spec).rejoin_by == 5
     with pytest.raises(UsageError, match="rejoin_by must come after"):
         parse_fault("kill:rank=0:step=3:rejoin_by=3")
-    victim = FaultInjector([spec], 0, first_attempt=True, log_path=log)
-    gives_up = FaultInjector([spec], 1, first_attempt=True, log_path=log, hold_s=0.2)
-    waits = FaultInjector([spec], 2, first_attempt=True, log_path=log, hold_s=30)
+    victim = FaultInjector([spec], 0, first_attempt=True, run_dir=run)
+    gives_up = FaultInjector([spec], 1, first_attempt=True, run_dir=run, hold_s=0.2)
+    waits = FaultInjector([spec], 2, first_attempt=True, run_dir=run, hold_s=30)
     start = time.monotonic()
     waits.hold(4)  # before rejoin_by: nothing to wait for
     assert time.monotonic() - start < 0.1
     victim._record(victim._kill[3])  # what the kill writes before SIGKILL
     gives_up.hold(5)  # no replacement: bounded
     assert 0.2 <= time.monotonic() - start < 5
-    threading.Timer(0.3, FaultInjector([spec], 0, first_attempt=False, log_path=log).ready).start()
+    threading.Timer(0.3, FaultInjector([spec], 0, first_attempt=False, run_dir=run).ready).start()
     start = time.monotonic()
     waits.hold(5)
     assert 0.3 <= time.monotonic() - start < 5

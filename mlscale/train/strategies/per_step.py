@@ -22,6 +22,7 @@ it sent or received and of its final state, so that anyone can check the replica
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import hmac
 import json
@@ -43,6 +44,7 @@ from mlscale.config import TorchftOptions, TrainConfig
 from mlscale.data import Position
 from mlscale.errors import UsageError
 from mlscale.io import atomic_write_json, read_jsonl, repair_jsonl
+from mlscale.rundir import RunDir
 from mlscale.train.dist import JOB_START_ENV, bind_host, under_launcher
 from mlscale.train.strategies.ddp import DDPStrategy
 from mlscale.train.strategies.sharded import FSDPStrategy
@@ -187,19 +189,10 @@ def state_digest(state: Any) -> str:
     return digest.hexdigest()
 
 
-def replica_log_path(run_dir: str | Path, replica: int, rank: int = 0) -> Path:
-    """``logs/replica<g>.jsonl`` for rank 0 of replica group g (its only rank under ddp), else
-    ``logs/replica<g>-rank<r>.jsonl``."""
-    return Path(run_dir) / "logs" / (f"replica{replica}.jsonl" if rank == 0 else f"replica{replica}-rank{rank}.jsonl")
-
-
-def read_replica_logs(run_dir: str | Path) -> dict[tuple[int, int], list[dict[str, Any]]]:
+def read_replica_logs(run_dir: str | Path | RunDir) -> dict[tuple[int, int], list[dict[str, Any]]]:
     """Every replica log's lines, by (replica group, rank in it)."""
-    logs: dict[tuple[int, int], list[dict[str, Any]]] = {}
-    for path in sorted((Path(run_dir) / "logs").glob("replica*.jsonl")):
-        group, _, rank = path.stem.removeprefix("replica").partition("-rank")
-        logs[int(group), int(rank or 0)] = read_jsonl(path)  # one writer: a torn last line is skipped
-    return logs
+    # one writer each: a torn last line is skipped
+    return {key: read_jsonl(path) for key, path in RunDir(run_dir).replica_logs().items()}
 
 
 def _local(value: Any, copy: bool = False) -> Any:
@@ -293,7 +286,8 @@ class PerStep:
         self.step_began = now()
         self.received: dict[str, Any] | None = None  # the job's place that came with a peer's state
         self.sent = False
-        self.log_path = replica_log_path(self.config.run_dir or ".", self.env.replica, self.env.rank)
+        self.run_dir = RunDir(self.config.run_dir or ".")
+        self.log_path = self.run_dir.replica_log(self.env.replica, self.env.rank)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         repair_jsonl(self.log_path)  # a line its killed predecessor tore: cut off before this one appends
         self.log_file = self.log_path.open("a", buffering=1)
@@ -311,9 +305,9 @@ class PerStep:
         launch = os.environ.get(LAUNCH_ENV) or ("fresh" if self.steps_done == 0 else None)
         if not launch or self.env.attempt > 0:  # a replacement joins whoever is there
             return
-        ready = Path(self.config.run_dir or ".") / "logs" / "ready" / launch
+        ready = self.run_dir.ready_dir(launch)
         ready.mkdir(parents=True, exist_ok=True)
-        (ready / f"member{self.env.member}").touch()
+        self.run_dir.ready_path(launch, self.env.member).touch()
         wait_s = self.config.recovery.collective_timeout_s
         deadline, since = time.monotonic() + wait_s, time.time() - wait_s  # older files: an earlier start's
         everyone = self.replicas_total * self.env.world_size
@@ -327,7 +321,7 @@ class PerStep:
         Manager = import_torchft().Manager
         from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
 
-        _quiet_torchft(self.log_path.with_suffix(".torchft.log"))
+        _quiet_torchft(self.run_dir.torchft_log(self.env.replica, self.env.rank))
         timeout = timedelta(seconds=self.config.recovery.collective_timeout_s)
         group_type = _members_mixin(ProcessGroupNCCL if self.env.device.type == "cuda" else ProcessGroupGloo)
         self.group = group_type(timeout=timeout)
@@ -374,7 +368,7 @@ class PerStep:
     # -- the step -----------------------------------------------------------------------------------
     def begin_step(self, position: Position | None, samples_seen: int) -> StepStart | None:
         if self.manager is None:
-            if self.env.attempt > 0 and job_finished(self.config.run_dir or ".", self.total_steps):
+            if self.env.attempt > 0 and job_finished(self.run_dir, self.total_steps):
                 raise JobFinished("the job finished while this replica group was down")
             self._start_manager()
         self.step_began = now()
@@ -384,7 +378,7 @@ class PerStep:
         step = self.manager.current_step()
         self.quorum_ms.append((now() - self.step_began) * 1e3)
         members = list(self.group.members)
-        if len(members) < self.replicas_total and job_finished(self.config.run_dir or ".", self.total_steps):
+        if len(members) < self.replicas_total and job_finished(self.run_dir, self.total_steps):
             raise JobFinished("the job finished without this replica group")  # it would train on alone
         self.steps_done = step
         if self.sent:
@@ -430,16 +424,16 @@ class PerStep:
         result.positions = dict.fromkeys(range(shards), batch.position if batch is not None else Position())
         for row in result.rows:  # the quorum came before the batch; the all-reduce after the backward
             row.rank = self.env.member
-            row.step_ms += self.quorum_ms[-1]
-            row.comm_ms += self.allreduce_ms
-            row.comm_exposed_ms += self.quorum_ms[-1] + self.allreduce_ms
-            row.compute_ms -= self.allreduce_ms
+            times = row.times
+            row.times = dataclasses.replace(
+                times, step_ms=times.step_ms + self.quorum_ms[-1], comm_ms=times.comm_ms + self.allreduce_ms,
+                comm_exposed_ms=times.comm_exposed_ms + self.quorum_ms[-1] + self.allreduce_ms,
+                compute_ms=times.compute_ms - self.allreduce_ms)
         result.samples = len(members) * self.shards_per_group * self.config.step_batch
         if result.done:  # before the end's gathers and releases (fsdp) change what this rank holds
             self._write({"event": "final", "step": self.steps_done, "sha256": self._own_state_digest()})
             if self.writes_records:
-                atomic_write_json(finished_path(self.config.run_dir or "."), {"step": self.steps_done,
-                                                                              "time": time.time()})
+                atomic_write_json(self.run_dir.finished_path, {"step": self.steps_done, "time": time.time()})
         return result
 
     # -- records ------------------------------------------------------------------------------------
@@ -485,7 +479,7 @@ class PerStep:
                                for first, last, members in self.history],
             "steps_without_every_replica": sum(last - first + 1 for first, last, _ in self.history),
             "samples_not_trained": not_trained,
-            "live_recoveries": live_recoveries(self.config.run_dir or "."),
+            "live_recoveries": live_recoveries(self.run_dir),
         }
         return report
 
@@ -515,11 +509,11 @@ class PerStepFSDPStrategy(PerStep, FSDPStrategy):
     across the quorum through torchft, and a replacement group's rank r receives rank r's shards."""
 
 
-def finished_path(run_dir: str | Path) -> Path:
-    return Path(run_dir) / "logs" / "finished.json"
+def finished_path(run_dir: str | Path | RunDir) -> Path:
+    return RunDir(run_dir).finished_path
 
 
-def job_finished(run_dir: str | Path, total_steps: int) -> bool:
+def job_finished(run_dir: str | Path | RunDir, total_steps: int) -> bool:
     """Whether the quorum has committed the job's last step: the leader writes ``logs/finished.json``
     then (before its final checkpoint and evaluation). A replica that finds itself without its peers, or
     a replacement that starts after it, must not train on alone from where it stands."""
@@ -529,7 +523,7 @@ def job_finished(run_dir: str | Path, total_steps: int) -> bool:
         return False
 
 
-def live_recoveries(run_dir: str | Path) -> list[dict[str, Any]]:
+def live_recoveries(run_dir: str | Path | RunDir) -> list[dict[str, Any]]:
     """Each replacement that received the state from a peer: which replica, at which step, how long after
     its predecessor's last step, and whether the state matched the sender's digest."""
     started = float(os.environ.get(JOB_START_ENV, 0))  # this launch's, not a resumed run's earlier ones
