@@ -69,3 +69,19 @@ def test_config_json_is_nested_and_reads_back_equal():
     assert saved["recovery"]["faults"] == ["slow:rank=1:delay_ms=5"]  # the spec as given
     again = TrainConfig(**json.loads(json.dumps(saved)))
     assert again == config and again.recovery.faults[0].delay_ms == 5.0
+
+
+def test_mlscale_train_help_is_built_without_the_models():
+    """The flags come from the generated table: `mlscale train --help` imports no pydantic, no torch."""
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    script = ("import contextlib, io, json, sys\nfrom mlscale.cli import build_parser\n"
+              "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+              "    build_parser().parse_args(['train', '--help'])\nprint(json.dumps(sorted(sys.modules)))")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=60)
+    loaded = set(json.loads(result.stdout.splitlines()[-1]))
+    assert "mlscale.cli_train" in loaded
+    assert not {m for m in loaded if m.startswith(("pydantic", "torch", "mlscale.config", "numpy"))}
