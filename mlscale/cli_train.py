@@ -2,7 +2,8 @@
 
 Train a task with a parallel strategy. Values from --config (TOML or JSON, flat keys such as "stages = 4"
 or nested tables such as "[pipeline] stages = 4") are overridden by the flags given here; every option
-has a flag of the same name. An option of another strategy than the job's is refused.
+has a flag of its name (--task-opt, --fault, --collective-timeout, --no-async-checkpoint and --no-progress
+are spelled so). An option of another strategy or fault-tolerance mode than the job's is refused.
 
 The flags are generated from the models into ``train_flags.json`` beside this file (``make flags``, and
 a test checks that it matches the models): building the parser from the table keeps ``mlscale train
@@ -161,8 +162,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--register", metavar="NAME", help="register the final model under NAME when training ends")
     p.add_argument("--json", action="store_true", help="print report.json instead of the summary table")
     p.add_argument("--check", action="store_true", help="check the configuration and the data for a job of "
-                   "--workers processes ($WORLD_SIZE when set, as torchrun sets it), train nothing: exit 0, or 2 "
-                   "naming what is wrong (what a Kubernetes Job's check container runs)")
+                   "the processes --workers makes ($WORLD_SIZE when set, as torchrun sets it), train nothing: "
+                   "exit 0, or 2 naming what is wrong (what a Kubernetes Job's check container runs)")
     p.add_argument("--no-plot", action="store_false", dest="plot",
                    help="do not draw RUN_DIR/plots/training.png at the end (drawn when matplotlib is installed)")
     from mlscale.cli_models import add_registry_option

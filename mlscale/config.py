@@ -263,8 +263,9 @@ class TrainConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    task: str = option("digits", "built-in task (digits, digits-cnn, synthetic, tinylm), a factory declared with "
-                       "@mlscale.declare_task (package.module:factory) or an installed mlscale.tasks entry point")
+    task: str = option("digits", "built-in task (digits, digits-cnn, synthetic, tinylm, parquet, features), a "
+                       "factory declared with @mlscale.declare_task (package.module:factory) or an installed "
+                       "mlscale.tasks entry point")
     task_options: dict[str, Any] = option(dict, "option passed to the task factory (repeatable), e.g. hidden=256",
                                           metavar="KEY=VALUE", flag="--task-opt")
     workers: int = option(

@@ -85,7 +85,7 @@ class RunDir:
 
     # -- what training and its tools keep beside the records -----------------------------------------
     tensorboard = property(lambda self: self.path / "tensorboard")  # --log tensorboard: event files
-    training_plot_path = property(lambda self: self.path / "plots" / "training.png")  # mlscale train --plot
+    training_plot_path = property(lambda self: self.path / "plots" / "training.png")  # drawn unless --no-plot
     serving_plot_path = property(lambda self: self.path / "plots" / "serving.png")  # mlscale demo
     serving_path = property(lambda self: self.path / "serving.json")  # mlscale demo: its serving figures
 

@@ -33,7 +33,7 @@ def render_training_job(*, config_path: str | None, nodes: int, image: str, name
     if config.per_step:
         from mlscale.errors import UsageError
 
-        raise UsageError("bad value fault_tolerance='per-step': mlscale k8s train renders restart-all Jobs; a per-step "
+        raise UsageError("bad value fault-tolerance='per-step': mlscale k8s train renders restart-all Jobs; a per-step "
                          "job needs a torchft lighthouse and one torchrun per replica group (docs/scale-out.md, "
                          "section 2b)")
     if options.get("register"):

@@ -1,1 +1,1 @@
-"""Training: launcher, trainer loop, strategies, checkpoints, run directory."""
+"""Training: the job plan, launcher, trainer loop, records, strategies, checkpoints."""

@@ -1,11 +1,11 @@
 """The strategy interface: how a model is spread over processes, who does what, and how they talk.
 
-The trainer owns the loop, the data, checkpoints and metrics; a strategy owns one training step. The
-trainer calls only what is here and never asks which strategy runs. A strategy may give ranks different
-roles: ranks that read data and compute gradients (every rank under ddp; the workers of a parameter
-server; the first pipeline stage), and ranks that read none (the servers). Only ranks that *keep
-records* take part in logs and the report, and the strategy says how their records are shared;
-*checkpoint ranks* write their own part of every checkpoint (torch.distributed.checkpoint).
+The trainer owns the loop, the data and checkpoints, and records through ``Records``; a strategy owns
+one training step. The trainer calls only what is here and never asks which strategy runs. A strategy
+may give ranks different roles: ranks that read data and compute gradients (every rank under ddp; the
+workers of a parameter server; the first pipeline stage), and ranks that read none (the servers). Only
+ranks that *keep records* take part in logs and the report, and the strategy says how their records are
+shared; *checkpoint ranks* write their own part of every checkpoint (torch.distributed.checkpoint).
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ class Strategy(ABC):
         self.comm = CommTimer()
         self.shards = plan.shards_per_group  # data shards of this process group, one per replica
 
-    # -- layout (also asked before any process starts) ---------------------------------------------
+    # -- layout (asked only by the job plan, plan_job, before any process starts) ------------------
     @classmethod
     def world_size(cls, config: TrainConfig) -> int:
         """Processes the job needs for ``config.workers`` data-parallel workers."""
@@ -208,7 +208,8 @@ class Strategy(ABC):
 
     @classmethod
     def check(cls, config: TrainConfig, world: int) -> None:
-        """Refuse, with a ``UsageError``, options this strategy cannot honour."""
+        """Refuse, with a ``UsageError``, what needs the world to check (whether an option applies to the
+        strategy at all is declared with it in mlscale.config: ``only``)."""
         return None
 
     @classmethod

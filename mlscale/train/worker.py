@@ -1,6 +1,6 @@
 """The worker entry point: one process of a training job.
 
-Started by our launcher as ``python -m mlscale.train RUN_DIR`` (reading ``RUN_DIR/config.json``),
+Started by our launcher as ``python -m mlscale.train RUN_DIR`` (reading ``RUN_DIR/config.json`` and ``plan.json``),
 or in-process for a single worker and under an external torchrun. A failing worker writes its error
 for the elastic agent (which picks the root cause by time) and its traceback to ``RUN_DIR/logs``,
 and prints nothing, so the user sees one error instead of one traceback per rank.
