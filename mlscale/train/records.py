@@ -196,7 +196,7 @@ class Records:
         # Throughput and timing medians leave out the first steps (warm-up), unless that is all.
         self.warm, self.start_step = 0, 0
         self.measure_from: tuple[float, int] | None = None  # (when, step) the measured steps began
-        self.measure_end: float | None = None
+        self.measure_end: float | None = None  # when training ended (its last metrics line written)
         self.measured: dict[int, list[StepTimes]] = {}  # rank -> step times (floats only: no device tensors)
         self.measured_samples = 0
 
@@ -283,6 +283,11 @@ class Records:
             self.progress.update(step, loss, window.samples / (now() - window.start), self.stragglers.describe_now())
         self.final_loss = sum(r.loss_last for r in with_loss) / len(with_loss) if with_loss else math.nan
 
+    def training_ended(self) -> None:
+        """The last step is trained and recorded: what follows (the final checkpoint, the report's
+        collectives, gathering the model, evaluating it) is no training time, left out of the throughput."""
+        self.measure_end = now()
+
     def close(self) -> None:
         """The loop has ended (or failed): the progress bar and TensorBoard's files are closed."""
         if self.progress is not None:
@@ -294,7 +299,8 @@ class Records:
     def share_final(self, reads_data: bool) -> tuple[list[dict[str, float]], list[dict[str, float]]]:
         """Every record keeper's median step times and memory, for the report (collectives among them);
         ``reads_data``: this rank reads data (and has step times to report even if none were measured)."""
-        self.measure_end = now()
+        if self.measure_end is None:  # (a loop that ended without its last step)
+            self.measure_end = now()
         own = [RankTimings(rank, StepTimes.medians(self.measured[rank])) for rank in sorted(self.measured)] \
             or ([RankTimings(self.env.rank, StepTimes())] if reads_data else [])
         per_rank = [{"rank": r.rank, **r.medians.as_dict("_p50")} for r in self.strategy.share(RankTimings, own)]

@@ -346,6 +346,8 @@ class Trainer:
                 if self.step % config.records.log_every == 0 or done:
                     records.log(self.step, self.positions[0].epoch, self.logged_step)
                     self.logged_step = self.step
+                if done:
+                    records.training_ended()
                 if config.checkpoint.checkpoint_every and self.step % config.checkpoint.checkpoint_every == 0:
                     self._checkpoint(final=done)
         except BaseException:

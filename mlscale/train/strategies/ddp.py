@@ -89,7 +89,11 @@ class DDPStrategy(ReplicaStrategy):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         device_ids = [self.env.device] if self.env.device.type == "cuda" else None
-        module = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=self.config.ddp.bucket_mb)
+        # Gradients as views of the all-reduce buckets: with a comm hook DDP copies each gradient into its
+        # bucket and the hook averages it there (without one, DDP divides while copying); as views, the
+        # averaged bucket is the gradient, with no copy back. The same values, one pass less per step.
+        module = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=self.config.ddp.bucket_mb,
+                                         gradient_as_bucket_view=True)
         hook, inner = comm_hook(self.config.ddp.compress, None)
         self.comm_state = CommState(self.comm, hook, inner, self.config.ddp.compress)
         module.register_comm_hook(self.comm_state, _timed_hook)
