@@ -1,10 +1,17 @@
-"""Shared test helpers: run the real CLI in a subprocess, read a run's weights, tasks that fail."""
+"""Shared test helpers: run the real CLI in a subprocess, read a run's weights, tasks that fail; ports
+and built-once folders that stay private to a test when the suite runs in parallel (pytest-xdist)."""
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
+import random
+import shutil
+import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -21,6 +28,59 @@ def run_cli(*args: str, timeout: float = 120, cwd: Path | None = None) -> subpro
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run([sys.executable, "-m", "mlscale", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=cwd or REPO, env=env)
+
+
+# Ports for the servers a test starts. Not the kernel's pick (bind to port 0): a port released by its
+# probe and bound again by a server seconds later can be taken meanwhile as the source port of any
+# outgoing connection (load generators open hundreds), or be picked by another test's probe. So each
+# pytest process draws from its own block below the kernel's ephemeral range (32768 and up) and above
+# the fixed ports the guides use (8000/8001, 8300/8301), and never hands out a port twice.
+PORT_BLOCK, PORT_BASE, PORT_BLOCKS = 1000, 20000, 12
+_handed_out: set[int] = set()
+
+
+def _port_block() -> range:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # gw0, gw1, ... under xdist; unset otherwise
+    index = int(worker[2:]) % (PORT_BLOCKS - 1) if worker.startswith("gw") else PORT_BLOCKS - 1
+    return range(PORT_BASE + index * PORT_BLOCK, PORT_BASE + (index + 1) * PORT_BLOCK)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now, from this process's own block."""
+    block = [port for port in _port_block() if port not in _handed_out]
+    for port in random.sample(block, len(block)):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    raise
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port left in {_port_block()}")
+
+
+def shared_copy(tmp_path_factory, name: str, build: Callable[[Path], None]) -> Path:
+    """A private copy of a folder that ``build(folder)`` fills once per test session.
+
+    Expensive fixtures (trained runs, a registry of them) are built by the first pytest-xdist worker
+    that needs them, under a lock, in the session's folder above the workers' own; each worker then
+    gets its own copy, so a test that moves an alias or rewrites a report touches nobody else's."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # pytest-N/, shared by the workers (each has pytest-N/popen-gwK/)
+    shared = root / f"shared-{name}"
+    with open(root / f"shared-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (root / f"shared-{name}.done").exists():
+            shutil.rmtree(shared, ignore_errors=True)  # a build that failed half-way
+            shared.mkdir()
+            build(shared)
+            (root / f"shared-{name}.done").touch()
+    copy = tmp_path_factory.mktemp(name)
+    shutil.copytree(shared, copy, dirs_exist_ok=True)
+    return copy
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import pytest
@@ -16,14 +16,11 @@ import pytest
 from mlscale import TrainConfig, fit
 from mlscale.export import export_version
 from mlscale.registry import Registry, register_run
-from tests.helpers import REPO
+from tests.helpers import REPO, free_port, shared_copy
 
 
-@pytest.fixture(scope="session")
-def serve_registry(tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve")
-    location = str(root / "registry")
-    registry = Registry(location)
+def _build_serve_registry(root: Path) -> None:
+    registry = Registry(str(root / "registry"))
     for seed in (0, 1):
         fit(TrainConfig(task="digits", steps=40, seed=seed, run_dir=str(root / f"digits{seed}")))
         version = register_run(registry, root / f"digits{seed}", "digits")
@@ -36,13 +33,13 @@ def serve_registry(tmp_path_factory):
     fit(TrainConfig(task="tests.declared_tasks:misbehaving", task_options={"sleep_s": 2.0}, steps=2, batch_size=8,
                     run_dir=str(root / "misbehaving")))
     register_run(registry, root / "misbehaving", "misbehaving")
-    return location
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@pytest.fixture(scope="session")
+def serve_registry(tmp_path_factory):
+    """Trained and registered once per session; each pytest-xdist worker serves its own copy (tests move
+    the production alias)."""
+    return str(shared_copy(tmp_path_factory, "serve", _build_serve_registry) / "registry")
 
 
 @contextmanager
