@@ -84,6 +84,13 @@ def test_moving_the_alias_swaps_versions_under_load_without_a_failed_request(ser
     assert seen[first_new:].count("1") <= 4  # at most the requests already queued on the old version
 
 
+def _received(base: str, model: str) -> float:
+    """The requests for ``model`` version 1 that the server holds or has answered (max batch size 1)."""
+    return sum(metric(base, name, model=model, version="1") for name in (
+        "mlscale_inference_request_success_total", "mlscale_inference_pending_request_count",
+        "mlscale_inference_executing"))
+
+
 def test_sigterm_lets_in_flight_requests_finish(serve_registry):
     with running_server(serve_registry, "models:/slow/1", "--max-batch-size", "1", "--cache-mb", "0",
                         "--queue-limit", "100") as (base, process):
@@ -93,7 +100,10 @@ def test_sigterm_lets_in_flight_requests_finish(serve_registry):
                 tasks = [asyncio.ensure_future(client.post(f"{base}/v2/models/slow/infer",
                                                            json=infer_body([[float(i)] * 64])))
                          for i in range(30)]
-                await asyncio.sleep(0.3)  # all sent, most still queued behind the slow model
+                # all received (however long a busy host takes to send them), most still queued
+                deadline = time.monotonic() + 60
+                while await asyncio.to_thread(_received, base, "slow") < len(tasks) and time.monotonic() < deadline:
+                    await asyncio.sleep(0.02)
                 process.send_signal(signal.SIGTERM)
                 return await asyncio.gather(*tasks, return_exceptions=True)
 
