@@ -16,9 +16,14 @@ $(BIN)/.installed: pyproject.toml Makefile
 demo: $(BIN)/.installed
 	$(BIN)/python -m mlscale.demo
 
+# The suite in two parts, both always run: on 4 pytest-xdist workers, a module at a time each, the
+# slowest first (tests/conftest.py; most tests wait on subprocesses, sockets and sleeps, so 4 pays on
+# 2 cores), then the tests marked `alone` (they time something against a budget) one at a time.
 test: $(BIN)/.installed
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 4 --dist loadscope --no-loadscope-reorder -m "not alone"; parallel=$$?; \
+	$(BIN)/python -m pytest -q -m alone; alone=$$?; \
+	test $$parallel -eq 0 -a $$alone -eq 0
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check .

@@ -3,6 +3,9 @@
 Each test gets its own PostgreSQL schema. Without the service a test is skipped with its reason, so a
 user's ``make test`` runs everywhere; in CI (``MLSCALE_REQUIRE_SERVICES=1``, set by ``.ci/run``) a
 missing server or package fails the test instead, so nothing is silently left untested.
+
+``make test`` runs the suite on 4 pytest-xdist workers, a module at a time each, the slowest modules
+first (``SLOW_FIRST``); then the tests marked ``alone`` one at a time, with nothing beside them.
 """
 
 from __future__ import annotations
@@ -57,3 +60,44 @@ def postgres_url():
         with engine.begin() as conn:
             conn.exec_driver_sql(f"DROP SCHEMA {schema} CASCADE")
         engine.dispose()
+
+
+# The slowest modules first (measured with `pytest --durations`), so that none of them starts last
+# while the other workers sit idle; the rest keep their order. `make test` hands out whole modules
+# (`--dist loadscope`: a module's tests share its module-scoped fixtures, built once) in this order
+# (`--no-loadscope-reorder`). Only the order depends on this list, never a result.
+SLOW_FIRST = (
+    "tests/test_readme.py",
+    "tests/test_demo.py",
+    "tests/train/test_fault_tolerance.py",
+    "tests/train/test_model_parallel.py",
+    "tests/test_declared_tasks.py",
+    "tests/train/test_accumulation.py",
+    "tests/train/test_resume.py",
+    "tests/train/test_per_step.py",
+    "tests/train/test_compression.py",
+    "tests/train/test_training_options.py",
+    "tests/deploy/test_local_job.py",
+    "tests/data/test_parquet.py",
+    "tests/data/test_pipeline.py",
+    "tests/serve/test_interop.py",
+    "tests/test_feature_guide.py",
+    "tests/train/test_parameter_server.py",
+    "tests/test_cli_errors.py",
+    "tests/train/test_equivalence.py",
+    "tests/train/test_elastic_resume.py",
+    "tests/serve/test_hostile.py",
+    "tests/serve/test_limits.py",
+    "tests/serve/test_serving.py",
+    "tests/deploy/test_rolling_update.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The slowest modules first (above); a stable sort, so each module's tests keep their order."""
+
+    def rank(item: pytest.Item) -> int:
+        module = item.nodeid.split("::")[0]
+        return SLOW_FIRST.index(module) if module in SLOW_FIRST else len(SLOW_FIRST)
+
+    items.sort(key=rank)

@@ -60,6 +60,7 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_rows():
     assert len(runtime.batches) < 20 and max(runtime.batches) <= 8
 
 
+@pytest.mark.alone
 def test_a_lone_request_on_an_idle_server_is_not_held_back_by_the_delay():
     async def scenario():
         batcher = make(Doubler(), max_delay_s=1.0)
@@ -86,6 +87,7 @@ def test_one_bad_request_fails_alone_and_its_batch_mates_get_answers():
     assert 3 in runtime.batches  # they really were one batch before the isolation retry
 
 
+@pytest.mark.alone
 def test_a_full_queue_refuses_at_once():
     async def scenario():
         batcher = make(Doubler(delay_s=0.2), queue_limit=2, max_batch_size=1)
@@ -136,6 +138,7 @@ class PerRow(Doubler):
         return batch * 2
 
 
+@pytest.mark.alone
 def test_the_slo_batch_target_shrinks_when_batches_get_dearer_and_grows_back_when_they_get_cheaper():
     async def learn(batcher, runtime, per_row_s):
         runtime.per_row_s = per_row_s
@@ -287,6 +290,7 @@ def test_the_latency_guard_cuts_the_in_flight_limit_when_p99_runs_over_the_slo_a
     assert guard.limit == limit and guard.in_flight == 0
 
 
+@pytest.mark.alone
 def test_under_concurrent_load_an_arrival_to_an_empty_queue_waits_for_batch_mates():
     async def scenario():
         runtime = Doubler(delay_s=0.002)  # a fixed cost per batch worth sharing
@@ -305,6 +309,7 @@ def test_under_concurrent_load_an_arrival_to_an_empty_queue_waits_for_batch_mate
     assert batches[3] == 4 and batches[4:] == [3]  # held for its batch-mates, not sent alone
 
 
+@pytest.mark.alone
 def test_a_model_whose_batches_cost_next_to_nothing_never_holds_requests_back():
     async def scenario():
         runtime = Doubler()  # microseconds a batch: nothing to gain from waiting

@@ -7,6 +7,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from mlscale.bench.serve import Server, _post, _wait_ready, wait_drained
 from tests.serve.conftest import infer_body, running_server
 
@@ -22,6 +24,7 @@ def _latency(server: Server) -> float:
     return elapsed
 
 
+@pytest.mark.alone  # an idle server's latency, against a budget
 def test_wait_drained_waits_out_a_backlog(serve_registry):
     body = infer_body([[0.5] * 64])
     with running_server(serve_registry, "models:/slow/1", "--queue-limit", "100000",

@@ -43,6 +43,7 @@ def _held_to(trial: dict, p99_ms: float = P99_MS) -> None:
     assert trial["answered_again_after_ms"] is not None and trial["answered_again_after_ms"] < 200, trial
 
 
+@pytest.mark.alone  # the normal client's p99
 def test_slow_headers_are_cut_off_at_the_header_deadline(server):
     target, _ = server
     trial = measure(target, "slow_headers", ATTACK_S, clients=50, every_s=0.3)
@@ -52,6 +53,7 @@ def test_slow_headers_are_cut_off_at_the_header_deadline(server):
     assert details["answered_408"] == 50, details  # a request had begun: its client is told why
 
 
+@pytest.mark.alone  # the normal client's p99
 def test_slow_bodies_take_no_admission_slot_and_get_408(server):
     target, base = server
     trial = measure(target, "slow_bodies", ATTACK_S, clients=256)
@@ -61,6 +63,7 @@ def test_slow_bodies_take_no_admission_slot_and_get_408(server):
     assert metric(base, "mlscale_http_request_refused_total", reason="read_timeout") >= 256
 
 
+@pytest.mark.alone  # the normal client's p99
 def test_idle_connections_are_closed(server):
     target, _ = server
     trial = measure(target, "idle_connections", ATTACK_S, clients=400)
@@ -68,6 +71,7 @@ def test_idle_connections_are_closed(server):
     assert trial["details"]["closed_by_server"] == trial["details"]["connected"] == 400, trial
 
 
+@pytest.mark.alone  # the normal client's p99
 def test_a_flood_of_almost_whole_bodies_is_bounded_by_the_body_budget(server):
     target, base = server
     trial = measure(target, "body_flood", ATTACK_S, clients=40)
@@ -78,6 +82,7 @@ def test_a_flood_of_almost_whole_bodies_is_bounded_by_the_body_budget(server):
     assert metric(base, "mlscale_request_body_bytes") == 0  # every byte given back
 
 
+@pytest.mark.alone  # the normal client's p99
 def test_huge_json_bodies_are_refused_before_decoding(server):
     target, base = server
     trial = measure(target, "big_decodes", ATTACK_S, clients=3)
@@ -87,6 +92,7 @@ def test_huge_json_bodies_are_refused_before_decoding(server):
     assert refused.status_code == 400 and "more values or lists" in refused.json()["error"]
 
 
+@pytest.mark.alone  # the normal client's p99
 def test_grpc_calls_whose_message_never_comes_hold_nothing(server):
     import tritonclient.grpc as grpcclient
 
@@ -108,6 +114,7 @@ def test_a_body_over_the_limit_or_past_the_budget_is_refused_and_the_connection_
     assert httpx.get(f"{base}/v2/health/live").status_code == 200
 
 
+@pytest.mark.alone  # a deadline, measured
 def test_a_body_nobody_reads_is_cut_off_a_second_after_the_read_deadline(server):
     target, _ = server
     with socket.create_connection(("127.0.0.1", target.port)) as sock:
@@ -236,6 +243,7 @@ def _entities_loop(base: str, seconds: float, out: list[tuple[int, float]]) -> N
             time.sleep(0.02)
 
 
+@pytest.mark.alone  # the normal client's p99
 def test_a_locked_feature_log_and_a_silent_redis_slow_nothing_else(trained, tmp_path):  # noqa: F811
     registry, _, _, store = trained
     _feature_model_beside_digits(registry, tmp_path)

@@ -13,6 +13,7 @@ import time
 
 import httpx
 import numpy as np
+import pytest
 
 from mlscale.registry import Registry, load_torch_model
 from tests.declared_tasks import SLOW
@@ -45,6 +46,7 @@ def _busy_with_one_queued(base: str) -> list[tuple[threading.Thread, list[httpx.
     return [running, queued]
 
 
+@pytest.mark.alone
 def test_a_full_queue_answers_503_in_under_5_ms_at_the_client(serve_registry):
     with running_server(serve_registry, "models:/misbehaving/1", "--runtime", "torch", "--max-batch-size", "1",
                         "--queue-limit", "1", "--cache-mb", "0") as (base, _):
@@ -88,6 +90,7 @@ def _offer(base: str, path: str, bodies: list[str], rate: float, seconds: float)
     return json.loads(output.stdout)
 
 
+@pytest.mark.alone
 def test_with_an_slo_a_burst_it_cannot_hold_is_refused_at_once_and_the_admitted_p99_stays_within_it(serve_registry):
     rng = np.random.default_rng(7)
     bodies = [json.dumps(infer_body(rng.random((1, 64)).tolist())) for _ in range(200)]
