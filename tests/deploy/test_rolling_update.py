@@ -26,7 +26,7 @@ from tests.deploy.service_proxy import ServiceProxy
 from tests.serve.conftest import free_port, infer_body
 
 DRAIN_DELAY_S = 6.0  # more than the readiness probe's period x failures (2 s x 2): the proxy sees the 503s in time
-LOAD_RATE, LOAD_S = 100, 16.0
+LOAD_RATE, LOAD_S = 100, 16.0  # at least LOAD_S; longer where pods take longer to become ready (below)
 
 
 @pytest.fixture(scope="module")
@@ -82,10 +82,15 @@ def test_a_rolling_update_under_load_loses_no_request(registry_location, tmp_pat
     with ServiceProxy(probe["httpGet"]["path"], probe["periodSeconds"], probe["timeoutSeconds"],
                       probe["failureThreshold"]) as proxy:
         try:
+            began = time.monotonic()
             old = [new_pod(proxy), new_pod(proxy)]
+            ready_s = (time.monotonic() - began) / 2  # what a pod takes to become ready on this host, now
+            # The load outlasts the update on any host: two new pods made ready (slower under the load), the
+            # last old pod's drain, and then time for the new pods to take over its connections.
+            load_s = max(LOAD_S, 2.0 + 2 * 1.5 * ready_s + DRAIN_DELAY_S + 4.0)
             body = json.dumps(infer_body([[0.5] * 64]))
             config = {"host": "127.0.0.1", "port": proxy.port, "path": "/v2/models/digits/infer", "bodies": [body],
-                      "rate": LOAD_RATE, "duration_s": LOAD_S, "warmup_s": 0.0, "connections": 8, "timeout_s": 30}
+                      "rate": LOAD_RATE, "duration_s": load_s, "warmup_s": 0.0, "connections": 8, "timeout_s": 30}
             load = subprocess.Popen([sys.executable, "-m", "mlscale.bench.loadgen", json.dumps(config)],
                                     stdout=subprocess.PIPE, text=True)
             time.sleep(2.0)
@@ -94,14 +99,14 @@ def test_a_rolling_update_under_load_loses_no_request(registry_location, tmp_pat
                 pod.terminate()
             for pod in old:  # each exits 0 within the grace period, after its drain
                 assert pod.process.wait(timeout=template["spec"]["terminationGracePeriodSeconds"]) == 0
-            output, _ = load.communicate(timeout=LOAD_S + 60)
+            output, _ = load.communicate(timeout=load_s + 60)
         finally:
             for pod, _ in started:
                 pod.kill()
     result = json.loads(output)
-    print(f"rolling update: {result['requests']} requests, statuses {result['statuses']}, connections per pod "
-          f"{dict(proxy.connections)}, p99 {result['latency_ms']['p99']:.1f} ms")
-    assert result["requests"] > 0.8 * LOAD_RATE * LOAD_S
+    print(f"rolling update: {result['requests']} requests in {load_s:.0f} s, statuses {result['statuses']}, "
+          f"connections per pod {dict(proxy.connections)}, p99 {result['latency_ms']['p99']:.1f} ms")
+    assert result["requests"] > 0.8 * LOAD_RATE * load_s
     assert result["statuses"] == {"200": result["requests"]}, result["statuses"]  # 0 errors
     assert proxy.refused == 0
     new_names = [pod.name for pod, _ in started[2:]]

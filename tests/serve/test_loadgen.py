@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.serve.conftest import infer_body, running_server
 
 
@@ -27,6 +29,7 @@ def test_loadgen_measures_a_real_server(serve_registry):
     assert max(latency for _, latency in timeline) == round(result["latency_ms"]["max"], 3)
 
 
+@pytest.mark.alone  # the generator's lag and every answer in time, against budgets
 def test_a_full_pool_makes_requests_wait_without_opening_connections(serve_registry):
     """Past ``max_connections`` a request waits for a free connection: the generator stays on time
     (its lag is small) and the wait shows as latency, counted from the intended send time."""
