@@ -65,7 +65,9 @@ def postgres_url():
 # The slowest modules first (measured with `pytest --durations`), so that none of them starts last
 # while the other workers sit idle; the rest keep their order. `make test` hands out whole modules
 # (`--dist loadscope`: a module's tests share its module-scoped fixtures, built once) in this order
-# (`--no-loadscope-reorder`). Only the order depends on this list, never a result.
+# (`--no-loadscope-reorder`). Only the order depends on this list, never a result. (Not `--dist loadgroup`
+# with xdist_group marks: pytest 9.2 ignores the node ids xdist 3.8 rewrites for them, so the marks are
+# silently dropped, pytest-dev/pytest-xdist#1386.)
 SLOW_FIRST = (
     "tests/test_readme.py",
     "tests/test_demo.py",
