@@ -54,8 +54,7 @@ class FaultInjector:
         self._inf = {f.step: f for f in once if f.kind == "inf_grad" and f.rank == rank}
         self._slow = [f for f in faults if f.kind == "slow" and f.rank in (rank, ANY_RANK)]
         self._data_ranks = data_ranks if data_ranks is not None else [rank]
-        self.rank, self.run_dir, self.seed = rank, run_dir, seed
-        self.log_path = None if run_dir is None else run_dir.faults_path  # where a fault is written as it fires
+        self.rank, self.run_dir, self.seed = rank, run_dir, seed  # run_dir: where a fault is written as it fires
         # rejoin_by: kills fire in a fresh run only; a replacement (not the first attempt) of a rank killed
         # so says when it is up, the others wait for that. ``started``: this launch's start (unix seconds),
         # before which a fired kill is an earlier launch's.
@@ -78,10 +77,10 @@ class FaultInjector:
         return total
 
     def _record(self, fault: Fault) -> None:
-        if self.log_path is None:
+        if self.run_dir is None:
             return
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("a") as handle:
+        self.run_dir.faults_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.run_dir.faults_path.open("a") as handle:
             record = {**asdict(fault), "rank": self.rank, "time": time.time(),
                       "run_id": os.environ.get("TORCHELASTIC_RUN_ID", "")}
             handle.write(json.dumps(record) + "\n")

@@ -31,6 +31,7 @@ from mlscale.lineage import code_version
 from mlscale.rundir import RunDir
 from mlscale.train.dist import JOB_START_ENV, DistEnv
 from mlscale.train.memory import MEMORY_KEYS, peak_memory_mb
+from mlscale.train.plan import JobPlan
 from mlscale.train.progress import Progress
 from mlscale.train.recovery import recovery_summary
 from mlscale.train.stragglers import StragglerDetector
@@ -162,7 +163,6 @@ def by_rank(rows: list[StepRow]) -> dict[int, list[StepRow]]:
 class TrainerFacts:
     """What only the trainer knows at the end, for ``report.json``."""
 
-    workers: int  # data-parallel replicas (data shards)
     steps: int
     samples_seen: int
     eval: dict[str, float]
@@ -182,9 +182,10 @@ class Records:
     ``share_final`` and ``write_report``."""
 
     def __init__(self, config: TrainConfig, env: DistEnv, run_dir: RunDir, strategy: Strategy,
-                 total_steps: int) -> None:
-        self.config, self.env, self.run_dir, self.strategy = config, env, run_dir, strategy
-        self.total_steps = total_steps
+                 plan: JobPlan) -> None:
+        self.config, self.env, self.run_dir, self.strategy, self.plan = config, env, run_dir, strategy, plan
+        assert plan.total_steps is not None, "a worker's plan has the job's length"
+        self.total_steps = plan.total_steps
         self.stragglers = StragglerDetector(threshold=config.records.straggler_threshold)
         self.memory: dict[str, float] | None = None  # this rank's training state, measured after its first step
         self.pending_eval: list[dict[str, float]] = []  # --eval-every: for the next metrics line
@@ -323,8 +324,8 @@ class Records:
             "status": "completed",
             "task": config.task,
             "strategy": config.strategy,
-            "world_size": env.world_size * env.replicas,
-            "workers": trainer.workers,
+            "world_size": self.plan.processes,
+            "workers": self.plan.data_shards,
             "steps": trainer.steps,
             "samples_seen": trainer.samples_seen,
             "samples_per_s": self.samples_per_s(),

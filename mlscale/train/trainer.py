@@ -1,4 +1,4 @@
-"""The training loop. It knows the task and the strategy's small interface, nothing about which
+"""The training loop. It knows the task and the Strategy interface, nothing about which
 strategy runs it, and writes everything through ``RunDir``: checkpoints and the final model itself,
 metrics lines, TensorBoard, the console and ``report.json`` through its records (``records.py``).
 
@@ -82,7 +82,7 @@ class Trainer:
         self.total_steps, self.global_batch = plan.total_steps, plan.global_batch
         self.checkpointer = self._make_checkpointer(plan.checkpoint_ranks)
         self.checkpoint_stalls_ms: list[float] = []
-        self.records = Records(config, env, run_dir, self.strategy, self.total_steps)
+        self.records = Records(config, env, run_dir, self.strategy, plan)
 
         self.step, self.samples_seen = 0, 0
         self.data_workers = 0  # what the input pipeline runs with (--data-workers auto: measured)
@@ -249,8 +249,8 @@ class Trainer:
             "samples_seen": self.samples_seen,
             "position": self.positions[0].as_dict(),
             "positions": [self.positions[shard].as_dict() for shard in range(self.shards)],
-            "world_size": self.env.world_size * self.env.replicas,
-            "workers": self.shards,
+            "world_size": self.plan.processes,
+            "workers": self.plan.data_shards,
             "global_batch": self.global_batch,
         })
         if not final:
@@ -407,7 +407,6 @@ class Trainer:
             return {}
         self.run_dir.write_final_model(model, metadata={"task": self.config.task, "step": str(self.step)})
         return self.records.write_report(per_rank, memory, TrainerFacts(
-            workers=self.shards,
             steps=self.step,
             samples_seen=self.samples_seen,
             eval=self.evaluate(model),

@@ -342,14 +342,16 @@ def test_the_state_transport_answers_only_the_jobs_token():
 
 def test_a_replica_that_finds_the_last_step_committed_leaves(tmp_path):
     """What keeps a replacement that came too late from training alone over a finished run."""
-    from mlscale.train.strategies.per_step import finished_path, job_finished
+    from mlscale.rundir import RunDir
+    from mlscale.train.strategies.per_step import job_finished
 
+    finished = RunDir(tmp_path).finished_path
     assert not job_finished(tmp_path, 20)  # no marker yet
-    finished_path(tmp_path).parent.mkdir(parents=True)
-    finished_path(tmp_path).write_text(json.dumps({"step": 20}))
+    finished.parent.mkdir(parents=True)
+    finished.write_text(json.dumps({"step": 20}))
     assert job_finished(tmp_path, 20)
     assert not job_finished(tmp_path, 30)  # a resumed run going on to step 30
-    finished_path(tmp_path).write_text("{")  # torn
+    finished.write_text("{")  # torn
     assert not job_finished(tmp_path, 20)
 
 

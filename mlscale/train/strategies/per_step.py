@@ -509,16 +509,12 @@ class PerStepFSDPStrategy(PerStep, FSDPStrategy):
     across the quorum through torchft, and a replacement group's rank r receives rank r's shards."""
 
 
-def finished_path(run_dir: str | Path | RunDir) -> Path:
-    return RunDir(run_dir).finished_path
-
-
 def job_finished(run_dir: str | Path | RunDir, total_steps: int) -> bool:
     """Whether the quorum has committed the job's last step: the leader writes ``logs/finished.json``
     then (before its final checkpoint and evaluation). A replica that finds itself without its peers, or
     a replacement that starts after it, must not train on alone from where it stands."""
     try:
-        return int(json.loads(finished_path(run_dir).read_text())["step"]) >= total_steps
+        return int(json.loads(RunDir(run_dir).finished_path.read_text())["step"]) >= total_steps
     except (OSError, ValueError, KeyError, TypeError):
         return False
 
