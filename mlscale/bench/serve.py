@@ -140,7 +140,12 @@ class Server:
             if sig == signal.SIGTERM:  # the leader is gone; make sure its children are too
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.process.pid, signal.SIGKILL)
-            return
+            break
+        # A signal is delivered, and a child reaped by init, after killpg returns: the next measurement
+        # starts only once none of them runs any more.
+        deadline = time.monotonic() + 10
+        while group_processes(self.process.pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
 
 
 def prepare_models(scratch: Path, names: list[str]) -> dict[str, dict[str, Any]]:
