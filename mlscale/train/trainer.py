@@ -29,6 +29,7 @@ from mlscale.errors import MlscaleError
 from mlscale.lineage import data_fingerprint
 from mlscale.rundir import RunDir
 from mlscale.tasks import TensorData, make_task
+from mlscale.tasks.outputs import concat, to_cpu
 from mlscale.train.checkpoint import Checkpointer, capture_rng, restore_rng
 from mlscale.train.dist import JOB_START_ENV, DistEnv, broadcast_int
 from mlscale.train.faults import FaultInjector
@@ -393,8 +394,8 @@ class Trainer:
         device = next(model.parameters()).device  # a split model is assembled on the CPU
         model.eval()
         with torch.no_grad():
-            outputs = torch.cat([model(data.inputs[i:i + 1024].to(device)).cpu()
-                                 for i in range(0, len(data), 1024)])
+            outputs = concat([to_cpu(model(data.inputs[i:i + 1024].to(device)))
+                              for i in range(0, len(data), 1024)])
         model.train()
         return self.task.metrics_fn(outputs, data.targets)
 
