@@ -125,8 +125,8 @@ class ComputeOptions(Options):
     memory_limit_mb: float | None = option(
         None, "cap every process's memory for training (model, gradients, optimizer state, activations) at MB "
         "above what it holds when it starts; a process over it fails with a clear message. Shows what fits on "
-        "one device and what needs fsdp or pipeline. Every rank still builds the whole model before fsdp shards "
-        "it; on a CPU, checkpoints are then written in place", gt=0, metavar="MB")
+        "one device and what needs fsdp or pipeline (fsdp and tp build the model on the meta device: see "
+        "--weight-init); on a CPU, checkpoints are then written in place", gt=0, metavar="MB")
     simulated_compute_ms: float = option(
         0.0, "add MS of simulated compute to every step: benchmarks of the algorithms on few cores", ge=0,
         metavar="MS")
@@ -231,6 +231,27 @@ class PipelineOptions(Options):
         "then all backwards")
 
 
+class ModelOptions(Options):
+    title = "the model: how it is built and split"
+
+    tp: int = option(
+        1, "fsdp: split every block over T ranks too (tensor parallelism inside FSDP2's sharding, a 2-D mesh of "
+        "workers / T x T, as torchtitan does); --workers must be a multiple of T", ge=1, metavar="T",
+        only={"strategy": ("fsdp",)})
+    weight_init: Literal["auto", "full", "sharded"] = option(
+        "auto", "fsdp and tp build the model on the meta device (no memory) and give each rank only what it "
+        "holds. full: rank 0 builds the whole model with --seed and streams it out, tensor by tensor (the weights "
+        "of one process, so every strategy starts from the same ones); sharded: each rank initialises its own "
+        "part by the model's own init (init_weights, else each module's reset_parameters): for a model whose "
+        "weights do not fit in one process. auto: full unless the weights exceed --memory-limit-mb",
+        only={"strategy": ("fsdp", "tp")})
+    activation_checkpointing: Literal["none", "full", "selective"] = option(
+        "none", "recompute the blocks' activations in the backward pass instead of keeping them: full: every "
+        "block; selective: every K-th block (--ac-every). Less activation memory for about one more forward",
+        only={"strategy": ("ddp", "fsdp", "tp")})
+    ac_every: int = option(2, "selective activation checkpointing: every K-th block", ge=1, metavar="K")
+
+
 class RecordsOptions(Options):
     title = "records"
 
@@ -253,7 +274,7 @@ class RecordsOptions(Options):
 GROUPS: dict[str, type[Options]] = {
     "optim": OptimOptions, "data": DataOptions, "compute": ComputeOptions, "checkpoint": CheckpointOptions,
     "recovery": RecoveryOptions, "torchft": TorchftOptions, "ddp": DDPOptions, "ps": PSOptions,
-    "pipeline": PipelineOptions, "records": RecordsOptions,
+    "pipeline": PipelineOptions, "model": ModelOptions, "records": RecordsOptions,
 }
 GROUP_OF = {name: group for group, model in GROUPS.items() for name in model.model_fields}
 
@@ -297,6 +318,7 @@ class TrainConfig(BaseModel):
     ddp: DDPOptions = Field(default_factory=DDPOptions)
     ps: PSOptions = Field(default_factory=PSOptions)
     pipeline: PipelineOptions = Field(default_factory=PipelineOptions)
+    model: ModelOptions = Field(default_factory=ModelOptions)
     records: RecordsOptions = Field(default_factory=RecordsOptions)
 
     @model_validator(mode="before")

@@ -48,3 +48,7 @@ class Task:
     # A deterministic per-sample transform of the inputs, run by the input pipeline (in its worker
     # processes, cached with --data-cache); the trainer transforms the eval split the same way.
     transform: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # How --strategy tp (and fsdp --tp) splits the model: module-name patterns (``*``: any one name, such as
+    # a block's index) -> "colwise" | "rowwise" | "colwise_gather_output" | "embedding_rowwise" (the words of
+    # Hugging Face's ``_tp_plan``). Without one, the model's own declared plan is used, else tinylm's.
+    tp_plan: dict[str, str] | None = None

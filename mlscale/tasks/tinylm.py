@@ -117,12 +117,20 @@ class TinyLM(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(dim, heads, hidden) for i in range(layers)})
         self.norm: nn.Module | None = nn.LayerNorm(dim)
         self.output: nn.Module | None = nn.Linear(dim, vocab, bias=False)
-        for name, param in self.named_parameters():  # GPT-2's initialisation, residual projections scaled down
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """GPT-2's initialisation, residual projections scaled down. Also what a rank runs on its own shards
+        of a model built on the meta device (each parameter drawn in place, whatever part it holds)."""
+        layers = len(self.layers)
+        for name, param in self.named_parameters():
             if name.endswith("weight") and param.dim() == 2:
                 std = 0.02 / math.sqrt(2 * layers) if name.endswith(("wo.weight", "w2.weight")) else 0.02
                 nn.init.normal_(param, std=std)
             elif name.endswith("bias"):
                 nn.init.zeros_(param)
+            elif name.endswith("weight"):  # a norm's scale
+                nn.init.ones_(param)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = tokens

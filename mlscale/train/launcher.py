@@ -50,7 +50,7 @@ def fit(config: TrainConfig, *, keep_group: bool = False) -> dict[str, Any]:
         config = resumed_config(config)
     task = make_task(config.task, config.task_options)  # fail fast, with exit 2, on a bad task
     plan = plan_job(config, data=task.train)  # the one place the job's layout and length are worked out
-    check_job(config, plan, task.train, task.build_model)
+    check_job(config, plan, task.train, task.build_model, task.tp_plan)
     if config.run_dir is None:
         config = config.model_copy(update={"run_dir": default_run_dir(config.task)})
     run_dir = RunDir(config.run_dir)
@@ -79,7 +79,7 @@ def check_only(config: TrainConfig) -> str:
     task = make_task(config.task, config.task_options)
     given = os.environ.get("WORLD_SIZE", "")
     plan = plan_job(config, world=int(given) if given.isdigit() and int(given) > 0 else None, data=task.train)
-    check_job(config, plan, task.train, task.build_model)
+    check_job(config, plan, task.train, task.build_model, task.tp_plan)
     return (f"ok: task {config.task}, strategy {config.strategy}, {plan.processes} process(es), "
             f"{len(task.train):,} training samples")
 
@@ -119,7 +119,7 @@ def _unchanged_unless_it_trains(run_dir: RunDir) -> Iterator[None]:
 
 
 def check_job(config: TrainConfig, plan: JobPlan, data: TensorData | ParquetData,
-              build_model: Callable[[], Any] | None = None) -> None:
+              build_model: Callable[[], Any] | None = None, tp_plan: dict[str, str] | None = None) -> None:
     """Everything about the job that can be checked before a worker starts: a mistake is one line and
     exit 2 here, not a worker's traceback later."""
     import torch
@@ -139,7 +139,7 @@ def check_job(config: TrainConfig, plan: JobPlan, data: TensorData | ParquetData
         except Exception:  # a factory that cannot build on the meta device: the workers will check
             model = None
         if model is not None:
-            strategy.check_model(config, model, world)
+            strategy.check_model(config, model, world, tp_plan)
     groups, workers = plan.replica_groups, plan.data_shards
     if config.per_step and isinstance(data, ParquetData):
         raise UsageError("bad value fault-tolerance='per-step': Parquet data is not built for it yet (a replica "

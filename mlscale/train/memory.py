@@ -122,11 +122,33 @@ def memory_limit(limit_mb: float | None, device: torch.device) -> Iterator[None]
     _return_freed_memory()
     soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
     cap = _data_bytes() + extra
-    resource.setrlimit(resource.RLIMIT_DATA, (cap if hard == resource.RLIM_INFINITY else min(cap, hard), hard))
+    cap = cap if hard == resource.RLIM_INFINITY else min(cap, hard)
+    resource.setrlimit(resource.RLIMIT_DATA, (cap, hard))
+    _CPU_CAPS.append((soft, hard, cap))
     try:
         yield
     finally:
+        _CPU_CAPS.pop()
         resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+
+
+_CPU_CAPS: list[tuple[int, int, int]] = []  # (limit before, hard limit, cap) of the CPU caps in force
+
+
+@contextlib.contextmanager
+def host_memory() -> Iterator[None]:
+    """Around work a GPU job does in host memory, not on the device: building the whole model on rank 0 to
+    stream it out, gathering the trained model onto rank 0's CPU to write it. Where a CPU stands in for a
+    device of ``--memory-limit-mb``, that work is not counted against the cap (a GPU's cap never sees it)."""
+    if not _CPU_CAPS:
+        yield
+        return
+    soft, hard, cap = _CPU_CAPS[-1]
+    resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_DATA, (cap, hard))
 
 
 def _return_freed_memory() -> None:

@@ -9,6 +9,7 @@ before and after the blocks.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -21,6 +22,55 @@ CONTAINERS = (nn.ModuleDict, nn.ModuleList, nn.Sequential)
 
 def param_count(module: nn.Module | None) -> int:
     return 0 if module is None else sum(p.numel() for p in module.parameters())
+
+
+def block_container(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """The model's repeated blocks: the container (``ModuleList``/``ModuleDict``/``Sequential``) with the
+    most children of one type holding parameters, found anywhere in the model (``transformer.h``,
+    ``model.layers``, tinylm's ``layers``, a Sequential model itself); ``None`` without one."""
+    best: tuple[int, int, str, nn.Module] | None = None
+    for name, module in model.named_modules():
+        if not isinstance(module, CONTAINERS):
+            continue
+        children = [child for child in module.children() if param_count(child)]
+        if len(children) < 2 or len({type(child) for child in children}) != 1:
+            continue
+        key = (len(children), param_count(module))
+        if best is None or key > best[:2]:
+            best = (*key, name, module)
+    return None if best is None else (best[2], best[3])
+
+
+# -- activation checkpointing ---------------------------------------------------------------------------
+def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 1) -> list[str]:
+    """Recompute the activations of the model's blocks in the backward pass instead of keeping them
+    (``full``: every block; ``selective``: every ``every``-th). The block's ``forward`` is wrapped in place
+    (non-reentrant ``torch.utils.checkpoint``), so parameter names, and checkpoints, stay the model's own.
+    Returns the names of the blocks it applies to."""
+    if mode == "none":
+        return []
+    found = block_container(model)
+    if found is None:
+        raise UsageError(f"bad value activation-checkpointing={mode!r}: {type(model).__name__} has no repeated "
+                         "blocks (a ModuleList, ModuleDict or Sequential of same-typed modules) to recompute")
+    name, container = found
+    chosen = []
+    for index, (child_name, block) in enumerate(container.named_children()):
+        if mode == "full" or index % every == every - 1:
+            _checkpoint_forward(block)
+            chosen.append(f"{name}.{child_name}" if name else child_name)
+    return chosen
+
+
+def _checkpoint_forward(block: nn.Module) -> None:
+    import torch.utils.checkpoint
+
+    forward = block.forward
+
+    def recomputed(*args: object, **kwargs: object) -> object:
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    block.forward = recomputed  # type: ignore[method-assign]
 
 
 # -- FSDP2 ----------------------------------------------------------------------------------------------
@@ -44,38 +94,135 @@ def apply_fsdp(model: nn.Module, mesh: object) -> nn.Module:
 
 
 # -- tensor parallelism (Megatron-style) ---------------------------------------------------------------
-_COLUMN = ("wq", "wk", "wv", "w1")  # split by output features: each rank computes some heads / MLP columns
-_ROW = ("wo", "w2")  # split by input features: partial sums, all-reduced into the replicated output
+# A plan maps module-name patterns (``*`` matches one name, e.g. a block's index) to how the module splits,
+# in the words of Hugging Face's ``_tp_plan`` and torchtitan. Column-wise: split by output features (each
+# rank computes some heads / MLP columns); row-wise: split by input features (partial sums all-reduced into
+# the replicated output). The ``*_gather_output``/``*_rep`` forms all-gather a column split's output again
+# (an LM head whose loss wants every logit); ``embedding_rowwise`` splits an embedding's vocabulary.
+TP_STYLES = ("colwise", "rowwise", "colwise_rep", "colwise_gather_output", "rowwise_rep", "embedding_rowwise")
+
+# tinylm's plan (and any model written like it): attention q/k/v and the MLP's first layer by columns,
+# the attention output and the MLP's second layer by rows.
+BUILTIN_TP_PLAN = {
+    "layers.*.attention.wq": "colwise", "layers.*.attention.wk": "colwise", "layers.*.attention.wv": "colwise",
+    "layers.*.attention.wo": "rowwise", "layers.*.feed_forward.w1": "colwise", "layers.*.feed_forward.w2": "rowwise",
+}
 
 
-def tp_plan(model: nn.Module) -> dict[str, str]:
-    """Which linear layers split how: in each transformer block, the attention's q/k/v projections and
-    the MLP's first layer by columns, the attention output and the MLP's second layer by rows."""
-    plan: dict[str, str] = {}
+@dataclass(frozen=True)
+class TPPlan:
+    """Which module splits how (by full name), and where the plan came from (said at the start)."""
+
+    modules: dict[str, str]
+    source: str
+    skipped: tuple[str, ...] = ()  # modules of the plan left whole, with why
+
+    def describe(self) -> str:
+        kinds: dict[str, int] = {}
+        for style in self.modules.values():
+            kinds[style] = kinds.get(style, 0) + 1
+        counts = ", ".join(f"{count} {style}" for style, count in kinds.items())
+        left = f"; left whole: {'; '.join(self.skipped)}" if self.skipped else ""
+        return f"tensor-parallel plan from {self.source}: {len(self.modules)} modules ({counts}){left}"
+
+
+def declared_tp_plan(model: nn.Module, task_plan: dict[str, str] | None) -> tuple[dict[str, str], str]:
+    """The plan's patterns and their source: the task's ``tp_plan``, else the model's own (Hugging Face:
+    ``_tp_plan``, or its config's ``base_model_tp_plan`` under the base model's prefix), else the built-in
+    one of tinylm-shaped models."""
+    if task_plan:
+        return dict(task_plan), "the task (Task.tp_plan)"
+    own = getattr(model, "_tp_plan", None)
+    if isinstance(own, dict) and own:
+        return dict(own), f"the model ({type(model).__name__}._tp_plan)"
+    config = getattr(model, "config", None)
+    base = getattr(config, "base_model_tp_plan", None)
+    if isinstance(base, dict) and base:
+        prefix = getattr(model, "base_model_prefix", "")
+        prefix = f"{prefix}." if prefix and hasattr(model, prefix) else ""
+        return {prefix + pattern: style for pattern, style in base.items()}, \
+            f"the model's config ({type(config).__name__}.base_model_tp_plan)"
+    return dict(BUILTIN_TP_PLAN), "mlscale's built-in plan for tinylm-shaped blocks"
+
+
+def _pattern(text: str) -> re.Pattern[str]:
+    return re.compile(r"\.".join("[^.]+" if part == "*" else re.escape(part) for part in text.split(".")))
+
+
+def _tied(model: nn.Module) -> set[str]:
+    """Names of modules holding a parameter that another module holds too (a tied embedding and head)."""
+    owners: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for param in module.parameters(recurse=False):
+            owners.setdefault(id(param), []).append(name)
+    return {name for names in owners.values() if len(set(names)) > 1 for name in names}
+
+
+def tp_plan(model: nn.Module, task_plan: dict[str, str] | None = None) -> TPPlan:
+    """The modules of ``model`` that tensor parallelism splits, and how; refuses (``UsageError``) a plan
+    that names an unknown style or matches no module."""
+    patterns, source = declared_tp_plan(model, task_plan)
+    for pattern, style in patterns.items():
+        if style not in TP_STYLES:
+            raise UsageError(f"bad tensor-parallel plan from {source}: {pattern!r} asks for {style!r}, which mlscale "
+                             f"does not apply (it applies: {', '.join(TP_STYLES)})")
+    compiled = [(_pattern(pattern), style) for pattern, style in patterns.items()]
+    tied, modules, skipped = _tied(model), {}, []
     for name, module in model.named_modules():
-        leaf = name.rsplit(".", 1)[-1]
-        if isinstance(module, nn.Linear) and leaf in _COLUMN + _ROW:
-            plan[name] = "colwise" if leaf in _COLUMN else "rowwise"
-    if not plan:
-        raise UsageError("--strategy tp splits transformer blocks (attention wq/wk/wv/wo and MLP w1/w2 linear "
-                         "layers, as in --task tinylm); this model has none. Use --strategy fsdp to shard it")
-    return plan
+        style = next((style for regex, style in compiled if regex.fullmatch(name)), None)
+        if style is None:
+            continue
+        wanted = nn.Embedding if style == "embedding_rowwise" else nn.Linear
+        if not isinstance(module, wanted):
+            raise UsageError(f"bad tensor-parallel plan from {source}: {name!r} is a {type(module).__name__}; "
+                             f"{style!r} splits an nn.{wanted.__name__}")
+        if name in tied:  # splitting one of two holders would untie them; a tie is kept whole
+            skipped.append(f"{name} (its weight is tied to another module's)")
+            continue
+        modules[name] = style
+    if not modules:
+        raise UsageError(f"bad tensor-parallel plan from {source}: its patterns ({', '.join(list(patterns)[:4])}"
+                         f"{', ...' if len(patterns) > 4 else ''}) name no module of {type(model).__name__}; give "
+                         "the task a tp_plan of module-name patterns, or use --strategy fsdp to shard it")
+    return TPPlan(modules, source, tuple(skipped))
 
 
-def check_tp_divides(model: nn.Module, ways: int) -> None:
-    heads = {m.wq.out_features // m.head_dim for m in model.modules() if hasattr(m, "head_dim") and hasattr(m, "wq")}
-    for count in heads:
-        if count % ways:
-            raise UsageError(f"bad value workers={ways}: tensor parallelism splits the {count} attention heads "
-                             f"over the ranks, so their number must divide the heads")
+def _heads(module: nn.Module, parent: nn.Module | None) -> int | None:
+    """How many attention heads a column split of ``module`` cuts through, when its attention says its head
+    size (``head_dim``, as tinylm's and Hugging Face's attention modules do)."""
+    head_dim = getattr(parent, "head_dim", None)
+    if isinstance(head_dim, int) and head_dim > 0 and isinstance(module, nn.Linear):
+        return module.out_features // head_dim
+    return None
 
 
-def apply_tp(model: nn.Module, mesh: object) -> nn.Module:
+def check_tp_divides(model: nn.Module, plan: TPPlan, ways: int) -> None:
+    """Refuse a degree that would cut an attention head, or a split dimension, unevenly."""
+    for name, style in plan.modules.items():
+        module = model.get_submodule(name)
+        parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+        heads = _heads(module, parent) if style.startswith("colwise") else None
+        if heads is not None and heads % ways:
+            raise UsageError(f"bad value tp={ways}: tensor parallelism splits the {heads} attention heads of {name} "
+                             "over the ranks, so their number must divide the heads")
+        if isinstance(module, nn.Linear):
+            size = module.out_features if style.startswith("colwise") else module.in_features
+        else:
+            size = module.num_embeddings
+        if size % ways:
+            raise UsageError(f"bad value tp={ways}: {name} ({style}) splits {size} features over the ranks; "
+                             f"{ways} must divide them")
+
+
+def apply_tp(model: nn.Module, mesh: object, plan: TPPlan) -> nn.Module:
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    plan = {name: styles[kind]() for name, kind in tp_plan(model).items()}
-    return parallelize_module(model, mesh, plan)
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel, "rowwise_rep": RowwiseParallel,
+              "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+              "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+              "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate())}
+    return parallelize_module(model, mesh, {name: styles[style]() for name, style in plan.modules.items()})
 
 
 # -- pipeline stages --------------------------------------------------------------------------------------

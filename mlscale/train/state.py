@@ -79,11 +79,25 @@ def assemble(build: Callable[[], nn.Module], state: dict[str, torch.Tensor]) -> 
     no second copy. A model with buffers outside its state dict is built normally instead."""
     with torch.device("meta"):
         model = build()
-    model.load_state_dict(state, assign=True)
+    ties = shared_parameters(model)
+    model.load_state_dict(state, assign=True)  # gives every name its own tensor: a tie is made again below
+    for names in ties:
+        keep = model.get_parameter(names[0])
+        for name in names[1:]:
+            owner, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, keep)
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         model = build().to("cpu")
         model.load_state_dict(state)
     return model
+
+
+def shared_parameters(model: nn.Module) -> list[list[str]]:
+    """The names of each parameter that several modules hold (a tied embedding and output head)."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
 
 
 def release(learner: Learner) -> None:

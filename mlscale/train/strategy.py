@@ -165,6 +165,12 @@ class Setup:
     total_steps: int
     start_step: int
     global_batch: int
+    # A strategy that splits the model (``splits_model``) is given it with its parameters on the meta device
+    # when distributed, and fills what each rank holds: from ``full_weights()`` (the whole model's state dict,
+    # built as one process builds it: called on rank 0 only) or by the model's own init (mlscale.train.materialize).
+    weight_init: str = "full"  # full | sharded
+    full_weights: Callable[[], dict[str, torch.Tensor]] = dict
+    tp_plan: dict[str, str] | None = None  # the task's tensor-parallel plan, if it declares one
     # Called by a strategy once this process can be seen by its peers (per-step fault tolerance: its
     # torchft Manager heartbeats to the lighthouse); the trainer's fault injector listens (rejoin_by).
     ready: Callable[[], None] = lambda: None
@@ -175,6 +181,8 @@ class Strategy(ABC):
     # The options model this strategy owns (its group in TrainConfig, refused under other strategies);
     # which shared options apply to which strategy is declared with the options (mlscale.config: ``only``).
     options: ClassVar[type[Options] | None] = None
+    # Under this strategy a distributed model is split, so it is built on the meta device (no memory).
+    splits_model: ClassVar[bool] = False
     # A restarted process gets the training state from a live peer (per-step fault tolerance), not from
     # the newest checkpoint; the others never restart.
     recovers_live: ClassVar[bool] = False
@@ -213,8 +221,10 @@ class Strategy(ABC):
         return None
 
     @classmethod
-    def check_model(cls, config: TrainConfig, model: nn.Module, world: int) -> None:
-        """Refuse a model this strategy cannot split (given on the meta device: structure, no weights)."""
+    def check_model(cls, config: TrainConfig, model: nn.Module, world: int,
+                    task_tp_plan: dict[str, str] | None = None) -> None:
+        """Refuse a model this strategy cannot split (given on the meta device: structure, no weights;
+        ``task_tp_plan``: the task's tensor-parallel plan, if it declares one)."""
         return None
 
     @property

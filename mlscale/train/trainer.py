@@ -33,6 +33,8 @@ from mlscale.tasks.outputs import concat, to_cpu
 from mlscale.train.checkpoint import Checkpointer, capture_rng, restore_rng
 from mlscale.train.dist import JOB_START_ENV, DistEnv, broadcast_int
 from mlscale.train.faults import FaultInjector
+from mlscale.train.materialize import MB, build_on_meta, parameter_bytes
+from mlscale.train.memory import host_memory
 from mlscale.train.plan import JobPlan
 from mlscale.train.records import NO_PROGRESS_ENV as NO_PROGRESS_ENV  # a public name of this module too
 from mlscale.train.records import Records, TrainerFacts
@@ -102,11 +104,14 @@ class Trainer:
         self.logged_step = self.step
         self.redo_batch: Batch | None = None  # the batch of a step the strategy discarded, to train again
         torch.manual_seed(config.seed)  # the same initial weights on every rank
-        model = self.task.build_model().to(dtype=self.dtype, device=env.device)
+        on_meta = strategy_type.splits_model and env.distributed
+        model = build_on_meta(self._build_plain) if on_meta else self._build_plain().to(env.device)
+        weight_init = self._weight_init(model) if on_meta else "full"
         self._seed_rank_rngs()
-        self.strategy.setup(Setup(model=model, build_model=lambda: self.task.build_model().to(dtype=self.dtype),
+        self.strategy.setup(Setup(model=model, build_model=self._build_plain,
                                   make_learner=self._make_learner, loss_fn=self.task.loss_fn,
                                   total_steps=self.total_steps, start_step=self.step, global_batch=self.global_batch,
+                                  weight_init=weight_init, full_weights=self._full_weights, tp_plan=self.task.tp_plan,
                                   ready=self.faults.ready))
         if found is not None:
             self._restore(*found)
@@ -118,6 +123,29 @@ class Trainer:
             self.recovery = RecoveryTracker(run_dir, attempt=env.attempt, resumed_from=self.step)
         self.loader: ShardLoader | StreamLoader | None = None
         self.loader = None if self.shard is None else self._make_loader()
+
+    def _build_plain(self) -> torch.nn.Module:
+        return self.task.build_model().to(dtype=self.dtype)
+
+    def _full_weights(self) -> dict[str, torch.Tensor]:
+        """The whole model's weights as one process builds them (seeded, without touching the random
+        state the run goes on with): what --weight-init full streams to the shards from rank 0."""
+        with torch.random.fork_rng(devices=[]), host_memory():
+            torch.manual_seed(self.config.seed)
+            return self._build_plain().state_dict()
+
+    def _weight_init(self, model: torch.nn.Module) -> str:
+        """--weight-init auto: ``full`` unless the model's weights alone exceed --memory-limit-mb."""
+        how, limit = self.config.model.weight_init, self.config.compute.memory_limit_mb
+        weights = parameter_bytes(model)
+        if how == "auto":
+            how = "sharded" if limit is not None and weights > limit * MB else "full"
+        if self.env.is_main:
+            where = ("rank 0 builds the whole model and streams it to the shards" if how == "full" else
+                     "each rank initialises its own shards (the model's own init)")
+            print(f"mlscale: model built on the meta device ({weights / MB:,.1f} MB of weights); {where} "
+                  f"(--weight-init {how})", file=sys.stderr, flush=True)
+        return how
 
     def _make_loader(self) -> ShardLoader | StreamLoader:
         """In-memory batches (``ShardLoader``), or the input pipeline when the task transforms samples,
@@ -403,14 +431,16 @@ class Trainer:
         """The report's shared rows (collectives among record keepers), then on the rank that holds the
         final model: its weights, its held-out metrics and ``report.json``."""
         per_rank, memory = self.records.share_final(reads_data=self.shard is not None)
-        model = self.strategy.full_model()
-        if model is None:
-            return {}
-        self.run_dir.write_final_model(model, metadata={"task": self.config.task, "step": str(self.step)})
+        with host_memory():  # the trained model, whole on rank 0's CPU, is no longer training state
+            model = self.strategy.full_model()
+            if model is None:
+                return {}
+            self.run_dir.write_final_model(model, metadata={"task": self.config.task, "step": str(self.step)})
+            held_out = self.evaluate(model)
         return self.records.write_report(per_rank, memory, TrainerFacts(
             steps=self.step,
             samples_seen=self.samples_seen,
-            eval=self.evaluate(model),
+            eval=held_out,
             checkpoint={
                 "async": self.config.checkpoint.async_checkpoint,
                 "saves_during_training": len(self.checkpoint_stalls_ms),

@@ -82,7 +82,8 @@ class PipelineStrategy(OneModuleState, Strategy):
             raise UsageError("bad value precision='fp16': pipeline schedules do not scale losses; use bf16 or fp32")
 
     @classmethod
-    def check_model(cls, config: TrainConfig, model: nn.Module, world: int) -> None:
+    def check_model(cls, config: TrainConfig, model: nn.Module, world: int,
+                    task_tp_plan: dict[str, str] | None = None) -> None:
         plan_stages(model, config.pipeline.stages)
 
     @property

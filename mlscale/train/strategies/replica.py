@@ -6,6 +6,7 @@ only says how the plain model is wrapped, and the wrapper does the communication
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any, ClassVar
 
 import torch
@@ -13,7 +14,9 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from mlscale.train.dist import all_gather_floats
+from mlscale.train.materialize import materialize
 from mlscale.train.memory import SavedActivations, state_memory
+from mlscale.train.parallelize import TPPlan, apply_activation_checkpointing
 from mlscale.train.state import OneModuleState, assemble, release
 from mlscale.train.strategy import Batch, Learner, Setup, StepResult, StepRow, Strategy
 from mlscale.train.timing import StepTimes, now
@@ -27,11 +30,24 @@ class ReplicaStrategy(OneModuleState, Strategy):
     def wrap(self, model: nn.Module) -> nn.Module:
         return model
 
+    def announce(self, plan: TPPlan) -> TPPlan:
+        if self.env.is_main:
+            print(f"mlscale: {plan.describe()}", file=sys.stderr, flush=True)
+        return plan
+
     def setup(self, setup: Setup) -> None:
         self.plain, self.build_plain = setup.model, setup.build_model
+        self.declared_tp_plan = setup.tp_plan
+        self.tp_plan: TPPlan | None = None
+        model_options = self.config.model
+        self.checkpointed_blocks = apply_activation_checkpointing(
+            setup.model, model_options.activation_checkpointing, model_options.ac_every)
         if self.config.ddp.compile:  # in place: the module, its parameters and their names stay the same
             setup.model.compile()
         self.module: nn.Module = self.wrap(setup.model) if self.env.distributed else setup.model
+        if any(param.is_meta for param in self.module.parameters()):  # built on the meta device: fill it now
+            full = setup.full_weights if self.env.is_main and setup.weight_init == "full" else None
+            materialize(self.module, self.env.device, setup.weight_init, full)
         self.learner: Learner = setup.make_learner(self.module.parameters())
         self.loss_fn, self.total_steps = setup.loss_fn, setup.total_steps
         self.steps_done, self.global_batch = setup.start_step, setup.global_batch

@@ -4,11 +4,15 @@
   1/N of the parameters, gradients and optimizer state; a block's parameters are all-gathered just
   before it runs and freed after, gradients are reduce-scattered. Each rank reads its own data shard,
   so it trains like ddp with N workers, on about 1/N of the memory for the training state.
-- ``tp``: tensor parallelism (Megatron-LM) with ``torch.distributed.tensor.parallel``. The attention
-  heads and the MLP columns of every transformer block are split over the N ranks, which compute one
-  replica together, on the same batch: one data shard, trained like one worker.
+- ``tp``: tensor parallelism (Megatron-LM) with ``torch.distributed.tensor.parallel``, from a plan of
+  module-name patterns (the task's ``tp_plan``, else the model's own, else tinylm's): attention heads and
+  MLP columns split over the N ranks, which compute one replica together, on the same batch: one data
+  shard, trained like one worker.
+- ``fsdp --tp T``: both, on a 2-D mesh: each block split over T ranks, FSDP2 sharding over the rest.
 
-Both are applied to the plain model from outside (``mlscale.train.parallelize``).
+Both build the model on the meta device and materialise only what a rank holds
+(``mlscale.train.materialize``); both are applied to the plain model from outside
+(``mlscale.train.parallelize``).
 """
 
 from __future__ import annotations
@@ -27,15 +31,46 @@ from mlscale.train.strategies.replica import ReplicaStrategy
 
 
 class FSDPStrategy(ReplicaStrategy):
+    """FSDP2 over the data-parallel ranks; with ``--tp T``, over tensor-parallel groups of T ranks (a 2-D
+    mesh ``dp x tp``, tp innermost: the T ranks of a group are neighbours, on one host when they can be)."""
+
     name = "fsdp"
+    splits_model = True
+
+    @classmethod
+    def check(cls, config: TrainConfig, world: int) -> None:
+        tp = config.model.tp
+        if world % tp:
+            raise UsageError(f"bad value workers={world}: --strategy fsdp --tp {tp} needs a multiple of {tp} "
+                             f"processes (workers = {tp} tensor-parallel ranks x data-parallel shards)")
+        if tp > 1 and config.compute.precision == "fp16":
+            raise UsageError("bad value precision='fp16': the loss scaler cannot unscale the mix of split (DTensor) "
+                             "and replicated gradients that --tp makes; use bf16 or fp32")
 
     @classmethod
     def mesh(cls, config: TrainConfig, world: int) -> MeshDims:
-        return MeshDims(dp_shard=world)
+        return MeshDims(dp_shard=world // config.model.tp, tp=config.model.tp)
+
+    @classmethod
+    def data_shards(cls, config: TrainConfig, world: int) -> list[int | None]:
+        return [rank // config.model.tp for rank in range(world)]  # a tensor-parallel group reads one shard
+
+    @classmethod
+    def check_model(cls, config: TrainConfig, model: nn.Module, world: int,
+                    task_tp_plan: dict[str, str] | None = None) -> None:
+        if config.model.tp > 1:
+            check_tp_divides(model, tp_plan(model, task_tp_plan), config.model.tp)
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        mesh = init_device_mesh(self.env.device.type, (self.env.world_size,), mesh_dim_names=("dp",))
-        return apply_fsdp(model, mesh)
+        tp = self.config.model.tp
+        if tp == 1:
+            mesh = init_device_mesh(self.env.device.type, (self.env.world_size,), mesh_dim_names=("dp",))
+            return apply_fsdp(model, mesh)
+        mesh = init_device_mesh(self.env.device.type, (self.env.world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+        self.tp_plan = self.announce(tp_plan(model, self.declared_tp_plan))
+        check_tp_divides(model, self.tp_plan, tp)
+        apply_tp(model, mesh["tp"], self.tp_plan)
+        return apply_fsdp(model, mesh["dp"])
 
     def synchronising(self, sync: bool) -> contextlib.AbstractContextManager[Any]:
         if self.env.distributed:
@@ -45,6 +80,7 @@ class FSDPStrategy(ReplicaStrategy):
 
 class TensorParallelStrategy(ReplicaStrategy):
     name = "tp"
+    splits_model = True
     # The split layers' parameters are DTensors, the rest (embeddings, norms, head) plain tensors, and
     # torch's foreach kernels behind clip_grad_norm_ and the fp16 scaler's unscale refuse the mix.
 
@@ -63,11 +99,13 @@ class TensorParallelStrategy(ReplicaStrategy):
         return [0] * world  # the ranks compute one replica together, on the same batch
 
     @classmethod
-    def check_model(cls, config: TrainConfig, model: nn.Module, world: int) -> None:
-        tp_plan(model)
-        check_tp_divides(model, world)
+    def check_model(cls, config: TrainConfig, model: nn.Module, world: int,
+                    task_tp_plan: dict[str, str] | None = None) -> None:
+        check_tp_divides(model, tp_plan(model, task_tp_plan), world)
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        check_tp_divides(model, self.env.world_size)
+        self.tp_plan = self.announce(tp_plan(model, self.declared_tp_plan))
+        check_tp_divides(model, self.tp_plan, self.env.world_size)
         mesh = init_device_mesh(self.env.device.type, (self.env.world_size,), mesh_dim_names=("tp",))
-        return apply_tp(model, mesh)
+        return apply_tp(model, mesh, self.tp_plan)
+
