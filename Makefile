@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU build of torch: a plain `torch` would pull a multi-GB CUDA build. GPU users install their own.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test lint bench-train proto flags clean
+.PHONY: demo test test-gpu lint bench-train proto flags clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,12 @@ test: $(BIN)/.installed
 	$(BIN)/python -m pytest -q -n 4 --dist loadscope --no-loadscope-reorder -m "not alone"; parallel=$$?; \
 	$(BIN)/python -m pytest -q -m alone; alone=$$?; \
 	test $$parallel -eq 0 -a $$alone -eq 0
+
+# On a machine with CUDA (torch with CUDA installed in the venv: TORCH_SPEC=torch): what only a GPU shows.
+# Skipped, each with its reason, where there is none.
+test-gpu: $(BIN)/.installed
+	$(BIN)/python -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.device_count(), 'device(s)')"
+	$(BIN)/python -m pytest -q -rs -m gpu tests/gpu
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check .

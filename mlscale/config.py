@@ -236,7 +236,9 @@ class ModelOptions(Options):
 
     tp: int = option(
         1, "fsdp: split every block over T ranks too (tensor parallelism inside FSDP2's sharding, a 2-D mesh of "
-        "workers / T x T, as torchtitan does); --workers must be a multiple of T", ge=1, metavar="T",
+        "workers / T x T, as torchtitan does); --workers must be a multiple of T. The other combinations: "
+        "pipeline x data parallel (--strategy pipeline --workers k x P) and HSDP (fsdp --fault-tolerance "
+        "per-step); pipeline x tp and pipeline x fsdp are refused", ge=1, metavar="T",
         only={"strategy": ("fsdp",)})
     weight_init: Literal["auto", "full", "sharded"] = option(
         "auto", "fsdp and tp build the model on the meta device (no memory) and give each rank only what it "
@@ -245,6 +247,11 @@ class ModelOptions(Options):
         "part by the model's own init (init_weights, else each module's reset_parameters): for a model whose "
         "weights do not fit in one process. auto: full unless the weights exceed --memory-limit-mb",
         only={"strategy": ("fsdp", "tp")})
+    offload: Literal["none", "cpu"] = option(
+        "none", "fsdp on GPUs: cpu keeps the sharded parameters, gradients and optimizer state in host memory "
+        "(FSDP2's CPUOffloadPolicy; the optimizer steps on the CPU), copying each block to the GPU just before "
+        "it runs: GPU memory for the blocks in flight and the activations only, at the cost of the copies",
+        only={"strategy": ("fsdp",)})
     activation_checkpointing: Literal["none", "full", "selective"] = option(
         "none", "recompute the blocks' activations in the backward pass instead of keeping them: full: every "
         "block; selective: every K-th block (--ac-every). Less activation memory for about one more forward",

@@ -84,12 +84,16 @@ def fsdp_units(model: nn.Module) -> list[nn.Module]:
     return units
 
 
-def apply_fsdp(model: nn.Module, mesh: object) -> nn.Module:
-    from torch.distributed.fsdp import fully_shard
+def apply_fsdp(model: nn.Module, mesh: object, offload: bool = False) -> nn.Module:
+    """FSDP2 on every unit, then the root. ``offload``: the sharded parameters, gradients and optimizer state
+    live in (pinned) host memory and each unit is copied to the device just before it runs (FSDP2's
+    ``CPUOffloadPolicy``): a GPU then holds only the blocks in flight and the activations."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
+    policy = CPUOffloadPolicy() if offload else OffloadPolicy()
     for unit in fsdp_units(model):
-        fully_shard(unit, mesh=mesh)
-    fully_shard(model, mesh=mesh)  # parameters outside any unit, and the root's communication schedule
+        fully_shard(unit, mesh=mesh, offload_policy=policy)
+    fully_shard(model, mesh=mesh, offload_policy=policy)  # what no unit holds, and the root's schedule
     return model
 
 

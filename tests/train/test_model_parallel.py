@@ -216,7 +216,7 @@ def test_a_model_too_big_for_one_process_fails_there_and_trains_sharded_or_split
 @pytest.mark.parametrize(("flags", "message"), [
     (["--strategy", "pipeline", "--workers", "3"], "multiple of --stages 2"),
     (["--strategy", "pipeline", "--workers", "2", "--task-opt", "layers=1"], "only 1 block(s) to split"),
-    (["--strategy", "tp", "--workers", "3"], "the 4 attention heads over the ranks"),
+    (["--strategy", "tp", "--workers", "3"], "the 4 attention heads of layers.0.attention.wq over the ranks"),
     (["--strategy", "tp", "--workers", "2", "--fp16"], "cannot unscale tp's mix"),
     (["--strategy", "tp", "--workers", "2", "--clip-grad-norm", "1"], "not of --strategy tp (the others hold the "
      "gradients on several ranks without their global norm)"),

@@ -43,6 +43,12 @@ class FSDPStrategy(ReplicaStrategy):
         if world % tp:
             raise UsageError(f"bad value workers={world}: --strategy fsdp --tp {tp} needs a multiple of {tp} "
                              f"processes (workers = {tp} tensor-parallel ranks x data-parallel shards)")
+        if tp > 1 and config.per_step:
+            raise UsageError(f"bad value tp={tp}: per-step fault tolerance replicates FSDP2 groups (HSDP) through "
+                             "torchft, which does not split blocks; use --fault-tolerance restart with --tp")
+        if config.model.offload == "cpu" and config.compute.device == "cpu":
+            raise UsageError("bad value offload='cpu': it moves a GPU's training state to host memory; this job runs "
+                             "on the CPU already (--device cpu)")
         if tp > 1 and config.compute.precision == "fp16":
             raise UsageError("bad value precision='fp16': the loss scaler cannot unscale the mix of split (DTensor) "
                              "and replicated gradients that --tp makes; use bf16 or fp32")
@@ -65,12 +71,17 @@ class FSDPStrategy(ReplicaStrategy):
         tp = self.config.model.tp
         if tp == 1:
             mesh = init_device_mesh(self.env.device.type, (self.env.world_size,), mesh_dim_names=("dp",))
-            return apply_fsdp(model, mesh)
+            return apply_fsdp(model, mesh, offload=self.offload)
         mesh = init_device_mesh(self.env.device.type, (self.env.world_size // tp, tp), mesh_dim_names=("dp", "tp"))
         self.tp_plan = self.announce(tp_plan(model, self.declared_tp_plan))
         check_tp_divides(model, self.tp_plan, tp)
         apply_tp(model, mesh["tp"], self.tp_plan)
-        return apply_fsdp(model, mesh["dp"])
+        return apply_fsdp(model, mesh["dp"], offload=self.offload)
+
+    @property
+    def offload(self) -> bool:
+        """--offload cpu, on a GPU (on a CPU-only host with --device auto there is nothing to offload from)."""
+        return self.config.model.offload == "cpu" and self.env.device.type == "cuda"
 
     def synchronising(self, sync: bool) -> contextlib.AbstractContextManager[Any]:
         if self.env.distributed:
