@@ -381,6 +381,12 @@ class TrainConfig(BaseModel):
                 rows.append((name, getattr(model, name), default, {**group_only, **extra.get("only", {})}, why))
         return rows
 
+    def inapplicable(self) -> set[str]:
+        """The options (flat names) that do not apply to this configuration's strategy and mode, whatever
+        their value: what a run resumed under another strategy leaves behind of its saved one."""
+        return {name for name, _, _, only, _ in self._declared()
+                if any(self.value_of(key) not in allowed for key, allowed in only.items())}
+
     def given(self) -> dict[str, Any]:
         """The options set explicitly (not left at their defaults), by flat name: what a resumed run
         takes over its saved configuration."""

@@ -95,7 +95,11 @@ def resumed_config(config: TrainConfig) -> TrainConfig:
     for length, other in (("steps", "epochs"), ("epochs", "steps")):  # a new length replaces the saved one
         if given.get(length) is not None:
             saved.pop(other, None)
-    return validated(merged(saved, given, {"resume": True}))
+    # Under another strategy (a 2-D fsdp x tp run resumed by ddp), the saved options of the old one go.
+    both = flatten(merged(saved, given))
+    job = validated({key: both[key] for key in ("strategy", "fault_tolerance") if key in both})
+    left = job.inapplicable() - set(given)
+    return validated(merged({key: value for key, value in saved.items() if key not in left}, given, {"resume": True}))
 
 
 @contextlib.contextmanager

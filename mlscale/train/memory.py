@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import resource
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -97,39 +97,57 @@ def _data_bytes() -> int:
     raise OSError("no VmData in /proc/self/status")
 
 
-@contextlib.contextmanager
-def memory_limit(limit_mb: float | None, device: torch.device) -> Iterator[None]:
-    """Cap what this process may allocate from now on at ``limit_mb`` MB, as a device of that size would.
+class MemoryCap:
+    """``--memory-limit-mb``: from ``arm()`` on, what this process may allocate is capped at ``limit_mb``
+    MB above what it holds then, as a device of that size would be. The trainer arms it just before it
+    builds the model, so the cap holds the training state (model, gradients, optimizer state,
+    activations) and not the libraries and data loaded before, as a GPU's memory would.
 
-    On a GPU: the CUDA caching allocator's per-process fraction (what is allocated now + the limit). On
-    a CPU: the kernel's data-segment limit (``RLIMIT_DATA``: heap and private writable mappings, where
-    torch's tensors live) at what the process uses now + the limit, so an allocation past it fails in
-    torch's allocator as it would on a full device. Lifted again on leaving (an in-process run goes on).
+    On a GPU: the CUDA caching allocator's per-process fraction. On a CPU: the kernel's data-segment limit
+    (``RLIMIT_DATA``: heap and private writable mappings, where torch's tensors live), so an allocation
+    past it fails in torch's allocator as it would on a full device. Lifted again by ``lift()``.
     """
-    if limit_mb is None:
-        yield
-        return
-    extra = int(limit_mb * MB)
-    if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, (torch.cuda.memory_allocated(device) + extra) / total),
-                                                   device)
-        try:
-            yield
-        finally:
-            torch.cuda.set_per_process_memory_fraction(1.0, device)
-        return
-    _return_freed_memory()
-    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
-    cap = _data_bytes() + extra
-    cap = cap if hard == resource.RLIM_INFINITY else min(cap, hard)
-    resource.setrlimit(resource.RLIMIT_DATA, (cap, hard))
-    _CPU_CAPS.append((soft, hard, cap))
+
+    def __init__(self, limit_mb: float | None, device: torch.device) -> None:
+        self.limit_mb, self.device = limit_mb, device
+        self._lift: list[Callable[[], None]] = []
+
+    def arm(self) -> None:
+        if self.limit_mb is None or self._lift:
+            return
+        extra = int(self.limit_mb * MB)
+        if self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            fraction = min(1.0, (torch.cuda.memory_allocated(self.device) + extra) / total)
+            torch.cuda.set_per_process_memory_fraction(fraction, self.device)
+            self._lift.append(lambda: torch.cuda.set_per_process_memory_fraction(1.0, self.device))
+            return
+        _return_freed_memory()
+        soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+        cap = _data_bytes() + extra
+        cap = cap if hard == resource.RLIM_INFINITY else min(cap, hard)
+        resource.setrlimit(resource.RLIMIT_DATA, (cap, hard))
+        _CPU_CAPS.append((soft, hard, cap))
+
+        def lift() -> None:
+            _CPU_CAPS.remove((soft, hard, cap))
+            resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+
+        self._lift.append(lift)
+
+    def lift(self) -> None:
+        while self._lift:
+            self._lift.pop()()
+
+
+@contextlib.contextmanager
+def memory_limit(limit_mb: float | None, device: torch.device) -> Iterator[MemoryCap]:
+    """A ``MemoryCap`` for the block, lifted on leaving it (an in-process run goes on uncapped)."""
+    cap = MemoryCap(limit_mb, device)
     try:
-        yield
+        yield cap
     finally:
-        _CPU_CAPS.pop()
-        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+        cap.lift()
 
 
 _CPU_CAPS: list[tuple[int, int, int]] = []  # (limit before, hard limit, cap) of the CPU caps in force

@@ -91,10 +91,17 @@ def apply_fsdp(model: nn.Module, mesh: object, offload: bool = False) -> nn.Modu
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     policy = CPUOffloadPolicy() if offload else OffloadPolicy()
+    scalars = unshardable(model)
     for unit in fsdp_units(model):
-        fully_shard(unit, mesh=mesh, offload_policy=policy)
-    fully_shard(model, mesh=mesh, offload_policy=policy)  # what no unit holds, and the root's schedule
+        fully_shard(unit, mesh=mesh, offload_policy=policy, ignored_params=scalars)
+    fully_shard(model, mesh=mesh, offload_policy=policy, ignored_params=scalars)  # the rest, and the root's schedule
     return model
+
+
+def unshardable(model: nn.Module) -> set[nn.Parameter]:
+    """Scalar (0-dimensional) parameters, such as a learned temperature: FSDP2 shards along the first
+    dimension and refuses them, so they stay whole on every rank and their gradients are averaged apart."""
+    return {param for param in model.parameters() if param.dim() == 0}
 
 
 # -- tensor parallelism (Megatron-style) ---------------------------------------------------------------

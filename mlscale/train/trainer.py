@@ -14,6 +14,7 @@ import os
 import random
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -66,7 +67,9 @@ def lr_factor(config: TrainConfig, total: int) -> Any:
 
 
 class Trainer:
-    def __init__(self, config: TrainConfig, env: DistEnv, run_dir: RunDir, plan: JobPlan) -> None:
+    def __init__(self, config: TrainConfig, env: DistEnv, run_dir: RunDir, plan: JobPlan,
+                 before_model: Callable[[], None] = lambda: None) -> None:
+        """``before_model``: called just before the model is built (``--memory-limit-mb`` is armed there)."""
         self.config, self.env, self.run_dir, self.plan = config, env, run_dir, plan
         self.task = make_task(config.task, config.task_options)
         self.dtype = getattr(torch, config.compute.dtype)
@@ -103,6 +106,7 @@ class Trainer:
         self.local_steps = self.step  # steps this rank has computed (equal to global steps under ddp)
         self.logged_step = self.step
         self.redo_batch: Batch | None = None  # the batch of a step the strategy discarded, to train again
+        before_model()
         torch.manual_seed(config.seed)  # the same initial weights on every rank
         on_meta = strategy_type.splits_model and env.distributed
         model = build_on_meta(self._build_plain) if on_meta else self._build_plain().to(env.device)

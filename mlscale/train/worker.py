@@ -34,8 +34,8 @@ def run_worker(config: TrainConfig, run_dir: RunDir, plan: JobPlan, destroy_grou
     """Join the group, train, leave. Returns the report on rank 0 and ``{}`` elsewhere."""
     env = init_distributed(config.compute.device, config.recovery.collective_timeout_s, replicas=config.replica_groups)
     try:
-        with memory_limit(config.compute.memory_limit_mb, env.device):
-            report = Trainer(config, env, run_dir, plan).run()
+        with memory_limit(config.compute.memory_limit_mb, env.device) as cap:
+            report = Trainer(config, env, run_dir, plan, before_model=cap.arm).run()
     except JobFinished as exc:
         print(f"mlscale: {exc}; leaving", file=sys.stderr, flush=True)
         return {}  # its peers are gone: no barrier to wait at

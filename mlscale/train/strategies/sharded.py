@@ -20,12 +20,14 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from mlscale.config import TrainConfig
 from mlscale.errors import UsageError
-from mlscale.train.parallelize import apply_fsdp, apply_tp, check_tp_divides, tp_plan
+from mlscale.train.parallelize import apply_fsdp, apply_tp, check_tp_divides, tp_plan, unshardable
 from mlscale.train.plan import MeshDims
 from mlscale.train.strategies.replica import ReplicaStrategy
 
@@ -36,6 +38,7 @@ class FSDPStrategy(ReplicaStrategy):
 
     name = "fsdp"
     splits_model = True
+    scalars: list[nn.Parameter] = []  # noqa: RUF012 - replaced, never changed in place
 
     @classmethod
     def check(cls, config: TrainConfig, world: int) -> None:
@@ -69,10 +72,13 @@ class FSDPStrategy(ReplicaStrategy):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         tp = self.config.model.tp
+        self.scalars = sorted(unshardable(model), key=id)
         if tp == 1:
             mesh = init_device_mesh(self.env.device.type, (self.env.world_size,), mesh_dim_names=("dp",))
+            self.dp_group = mesh.get_group()
             return apply_fsdp(model, mesh, offload=self.offload)
         mesh = init_device_mesh(self.env.device.type, (self.env.world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+        self.dp_group = mesh["dp"].get_group()
         self.tp_plan = self.announce(tp_plan(model, self.declared_tp_plan))
         check_tp_divides(model, self.tp_plan, tp)
         apply_tp(model, mesh["tp"], self.tp_plan)
@@ -87,6 +93,17 @@ class FSDPStrategy(ReplicaStrategy):
         if self.env.distributed:
             self.module.set_requires_gradient_sync(sync)  # FSDP2: no reduce-scatter until the last micro-step
         return contextlib.nullcontext()
+
+    def reduce_gradients(self) -> bool:
+        """The scalar parameters FSDP2 leaves whole (``unshardable``): their gradients averaged over the data
+        shards here, as FSDP2 averages the others."""
+        if self.env.distributed and self.scalars:
+            grads = [param.grad for param in self.scalars if param.grad is not None]
+            flat = torch.stack(grads)
+            dist.all_reduce(flat, group=self.dp_group)
+            for grad, total in zip(grads, flat / dist.get_world_size(self.dp_group)):
+                grad.copy_(total)
+        return True
 
 
 class TensorParallelStrategy(ReplicaStrategy):
