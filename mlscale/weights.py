@@ -30,9 +30,11 @@ class WeightsError(MlscaleError):
 
 
 def _tie_key(tensor: torch.Tensor) -> tuple[object, ...] | None:
-    """What makes two tensors one: the same bytes of the same storage, seen the same way. None for a
-    tensor without storage of its own to share (empty, or on the meta device)."""
-    if tensor.is_meta or tensor.untyped_storage().nbytes() == 0:
+    """What makes two tensors one: the same bytes of the same storage, seen the same way; on the meta
+    device (no storage), the same tensor object. None for an empty tensor (nothing to share)."""
+    if tensor.is_meta:
+        return ("meta", id(tensor))
+    if tensor.untyped_storage().nbytes() == 0:
         return None
     return (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.dtype,
             tuple(tensor.shape), tensor.stride())
@@ -49,8 +51,24 @@ def _groups(state: dict[str, torch.Tensor]) -> list[list[str]]:
 
 def tied_groups(model: nn.Module) -> list[list[str]]:
     """The groups of state-dict names that are one tensor in ``model`` (``[["transformer.wte.weight",
-    "lm_head.weight"]]`` for GPT-2), each in state-dict order; empty for a model without ties."""
-    return _groups(model.state_dict())
+    "lm_head.weight"]]`` for GPT-2), each in state-dict order; empty for a model without ties. Works on
+    a model built on the meta device too (a tie there is one Parameter under two names)."""
+    return _groups(model.state_dict(keep_vars=True))
+
+
+def tie_again(model: nn.Module, groups: list[list[str]]) -> list[list[str]]:
+    """Make each group of names one tensor again (the first name's) where their values are equal, as
+    after ``load_state_dict(assign=True)``, which gives every name a tensor of its own; returns the
+    groups tied. A group whose values differ is left apart: tying it would drop trained values."""
+    tied, state = [], model.state_dict(keep_vars=True)  # the Parameters and buffers themselves
+    for first, *others in groups:
+        keep = state[first]
+        if not keep.is_meta and all(torch.equal(state[name], keep) for name in others):
+            for name in others:
+                owner, _, attribute = name.rpartition(".")
+                setattr(model.get_submodule(owner), attribute, keep)
+            tied.append([first, *others])
+    return tied
 
 
 def save_weights(model: nn.Module, path: str | Path, metadata: dict[str, str] | None = None) -> Path:

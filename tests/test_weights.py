@@ -126,3 +126,17 @@ def test_gpt2_trains_and_its_final_weights_load_strict_into_a_fresh_model_as_tra
 
 def test_gpt2_on_two_ddp_workers_ends_with_the_weights_of_one_worker(gpt2_runs):
     assert max_abs_diff(final_weights(gpt2_runs[1][0]), final_weights(gpt2_runs[2][0])) <= 1e-12
+
+
+def test_a_model_assembled_from_a_state_dict_on_the_meta_device_is_tied_again(tmp_path):
+    """How fsdp, tp and pipeline put the final model together (``assign=True`` gives every name its own
+    tensor): the tie comes back where the values agree, and is left apart where they do not."""
+    from mlscale.train.state import assemble
+
+    state = {name: tensor.clone() for name, tensor in _gpt2().state_dict().items()}
+    model = assemble(_gpt2, state)
+    assert model.lm_head.weight is model.transformer.wte.weight and tied_groups(model) == [TIE]
+    assert torch.equal(model.lm_head.weight, state["lm_head.weight"])
+    state["lm_head.weight"] += 1  # trained apart: tying them would drop these values
+    apart = assemble(_gpt2, state)
+    assert tied_groups(apart) == [] and torch.equal(apart.lm_head.weight, state["lm_head.weight"])

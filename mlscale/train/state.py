@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from mlscale.train.checkpoint import OPTIMIZER_PREFIX, TrainState
 from mlscale.train.strategy import Learner
+from mlscale.weights import tie_again, tied_groups
 
 MODEL, OPTIMIZER = "model/", OPTIMIZER_PREFIX
 
@@ -76,10 +77,13 @@ def load_module_state(model: nn.Module, learner: Learner, state: TrainState, *, 
 def assemble(build: Callable[[], nn.Module], state: dict[str, torch.Tensor]) -> nn.Module:
     """A plain model holding ``state`` (a full state dict on the CPU), built without allocating its own
     weights first (on the meta device, then the tensors assigned), so assembling a split model needs
-    no second copy. A model with buffers outside its state dict is built normally instead."""
+    no second copy. A model with buffers outside its state dict is built normally instead. Weights the
+    model ties (a head sharing the embedding) are one tensor again, as built."""
     with torch.device("meta"):
         model = build()
+    ties = tied_groups(model)
     model.load_state_dict(state, assign=True)
+    tie_again(model, ties)
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         model = build().to("cpu")
         model.load_state_dict(state)
