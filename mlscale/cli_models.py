@@ -84,12 +84,33 @@ def add_models(sub: argparse._SubParsersAction) -> None:
     mirror.set_defaults(handler=_mirror)
 
 
+EXPORT_DESCRIPTION = """Export a registered model in the form its users load.
+
+  onnx  (default) torch.onnx (dynamo) with a dynamic batch dimension: input 'input', output 'output' (the
+        model's predictions tensor: the tensor it returns, else its logits, else its first tensor). Checked
+        against PyTorch with onnxruntime on held-out inputs, then stored in the version as model.onnx, where
+        `mlscale serve` runs it (--runtime onnx, or auto).
+  hf    a Hugging Face model (one with save_pretrained and a config) written to the folder DIR: config.json
+        and model.safetensors as save_pretrained writes them (tied weights stored once, tied again on
+        loading), plus mlscale.json naming the version. Load it with
+        transformers.AutoModelForCausalLM.from_pretrained(DIR) or the model's own class. DIR must be new
+        or empty; the registry is not changed. A model that is not a Hugging Face one is refused (exit 2).
+"""
+
+EXPORT_EXAMPLES = """examples:
+  mlscale export models:/digits@champion                  # ONNX, stored in the version
+  mlscale export models:/gpt2/1 --format hf exported/gpt2  # a folder for from_pretrained
+"""
+
+
 def add_export(sub: argparse._SubParsersAction) -> None:
-    p = _common(sub.add_parser("export", help="export a registered model (ONNX), checked against PyTorch",
-                               description="Exports with torch.onnx (dynamo), dynamic batch; checks outputs against "
-                               "PyTorch with onnxruntime on held-out inputs and stores model.onnx in the version."))
+    p = _common(sub.add_parser("export", help="export a registered model: ONNX (checked against PyTorch) or a "
+                               "Hugging Face folder", description=EXPORT_DESCRIPTION, epilog=EXPORT_EXAMPLES,
+                               formatter_class=argparse.RawDescriptionHelpFormatter, intermixed=True))
     p.add_argument("uri", help="model URI, e.g. models:/digits/Production")
-    p.add_argument("--format", default="onnx", choices=["onnx"])
+    p.add_argument("directory", nargs="?", metavar="DIR", help="--format hf only: the folder to write")
+    p.add_argument("--format", default="onnx", choices=["onnx", "hf"],
+                   help="onnx (default): stored in the version; hf: a from_pretrained folder at DIR")
     p.set_defaults(handler=_export)
 
 
@@ -234,6 +255,13 @@ def _mirror(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    from mlscale.errors import UsageError
+
+    if args.format == "hf":
+        return _export_hf(args)
+    if args.directory is not None:
+        raise UsageError(f"bad value DIR={args.directory!r}: an ONNX export is stored in the version; DIR is "
+                         "for --format hf")
     from mlscale.export import export_version
 
     registry = _registry(args)
@@ -247,4 +275,20 @@ def _export(args: argparse.Namespace) -> int:
                  f"(rtol {parity.rtol:g}, atol {parity.atol:g})")
         stored = f"{artifact.key} (already exported: a version's files are write-once)" if existed else artifact.key
         print(pairs([("stored", stored), ("sha256", artifact.sha256), ("parity", check)]))
+    return 0
+
+
+def _export_hf(args: argparse.Namespace) -> int:
+    from mlscale.errors import UsageError
+    from mlscale.export.hf import export_hf
+
+    if args.directory is None:
+        raise UsageError("--format hf writes a folder: give it, e.g. mlscale export URI --format hf DIR")
+    folder = export_hf(_registry(args), args.uri, args.directory)
+    files = sorted(path.name for path in folder.iterdir())
+    if args.json:
+        print(as_json({"directory": str(folder), "files": files}))
+    else:
+        print(pairs([("written", str(folder)), ("files", ", ".join(files)),
+                     ("load with", f"transformers.AutoModelForCausalLM.from_pretrained({str(folder)!r})")]))
     return 0

@@ -16,11 +16,24 @@ from typing import Any, NoReturn
 class Parser(argparse.ArgumentParser):
     """argparse as a user expects it of one tool: a mistake is one line naming it (the usage stays in
     ``--help``), exit 2; and no silent abbreviations (``--worker 2`` is refused, not taken as
-    ``--workers``, so a typo cannot pick another option once one is added)."""
+    ``--workers``, so a typo cannot pick another option once one is added).
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    ``intermixed``: positionals may stand on both sides of the options (``mlscale export URI --format hf
+    DIR``); argparse alone fills every positional from the first run of them and leaves DIR over."""
+
+    def __init__(self, *args: Any, intermixed: bool = False, **kwargs: Any) -> None:
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
+        self._intermixed = intermixed
+
+    def parse_known_args(self, args: Sequence[str] | None = None, namespace: Any = None) -> Any:
+        if not self._intermixed:
+            return super().parse_known_args(args, namespace)
+        self._intermixed = False  # argparse's intermixed parsing calls parse_known_args itself
+        try:
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixed = True
 
     def error(self, message: str) -> NoReturn:
         from mlscale.redact import redact_text

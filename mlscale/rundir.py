@@ -3,7 +3,8 @@ config.json, metrics.jsonl, final weights and report.json, and the one place tha
 in it (heartbeats, logs, recovery events, caches, plots), so every part reads the same layout.
 
 It lives outside ``train`` because training writes it and others (the registry, plots, the demo) read
-it: a lower part never imports a higher one. Torch is needed only to write the final weights."""
+it: a lower part never imports a higher one. Torch is needed only to write the final weights
+(``mlscale.weights``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mlscale.io import append_jsonl, atomic_write, atomic_write_json, read_jsonl
+from mlscale.io import append_jsonl, atomic_write_json, read_jsonl
 
 if TYPE_CHECKING:
     from torch import nn
@@ -108,10 +109,10 @@ class RunDir:
         return read_jsonl(self.metrics_path)
 
     def write_final_model(self, model: nn.Module, metadata: dict[str, str] | None = None) -> None:
-        from safetensors.torch import save_file
+        """Every state-dict name, ties included, loadable ``strict=True`` (``mlscale.weights``)."""
+        from mlscale.weights import save_weights
 
-        tensors = {name: t.detach().cpu().contiguous() for name, t in model.state_dict().items()}
-        atomic_write(self.final_model_path, lambda tmp: save_file(tensors, str(tmp), metadata=metadata))
+        save_weights(model, self.final_model_path, metadata)
 
     def write_report(self, report: dict[str, Any]) -> None:
         atomic_write_json(self.report_path, report)

@@ -112,3 +112,21 @@ def exploding_task(rank: int = 1, step: int = 3) -> Task:
     inner = task.build_model
     task.build_model = lambda: _Exploding(inner(), rank, step)
     return task
+
+
+def _build_user_models_registry(root: Path) -> None:
+    from mlscale import TrainConfig, fit
+    from mlscale.export import export_version
+    from mlscale.registry import Registry, register_run
+
+    registry = Registry(str(root / "registry"))
+    for name in ("gpt2", "cnn"):
+        fit(TrainConfig(task=f"tests.user_models:{name}", steps=2, batch_size=8, run_dir=str(root / name)))
+        export_version(registry, register_run(registry, root / name, name).uri)
+
+
+def user_models_registry(tmp_path_factory) -> Path:
+    """A registry folder holding models:/gpt2/1 (its head tied to its embedding, returning a ModelOutput)
+    and models:/cnn/1 (a dict output, buffers), each trained 2 steps and exported to ONNX; built once per
+    session, a private copy for each caller. The runs are beside it (``../gpt2``, ``../cnn``)."""
+    return shared_copy(tmp_path_factory, "user-models", _build_user_models_registry) / "registry"

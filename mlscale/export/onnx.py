@@ -1,8 +1,15 @@
 """ONNX export with the torch.export-based exporter, checked against PyTorch with onnxruntime.
 
-The exported graph has a dynamic batch dimension. Parity is checked on held-out inputs in several
-batch sizes (1, 7, 64 and the rest), so the dynamic dimension is exercised; an export whose outputs
-differ beyond ``rtol`` / ``atol`` (numpy.allclose's rule) fails loudly and stores nothing.
+The exported graph has one input, ``input``, and one output, ``output``, both with a dynamic batch
+dimension. ``output`` is the model's predictions tensor whatever the model returns (a tensor; a tuple,
+dict or Hugging Face ``ModelOutput``: its ``logits``, else its first tensor; ``mlscale.tasks.outputs``),
+the same tensor the torch runtime serves, so a client (Triton-style: outputs asked for by the names the
+model metadata lists) sees one signature for both runtimes. The model's other outputs are not exported.
+Weights that are one tensor in the model (a tied head) are one initializer in the graph.
+
+Parity is checked on held-out inputs in several batch sizes (1, 7, 64 and the rest), so the dynamic
+dimension is exercised; an export whose outputs differ beyond ``rtol`` / ``atol`` (numpy.allclose's rule)
+fails loudly and stores nothing.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from mlscale.errors import MlscaleError
 from mlscale.export.session import onnx_session
 from mlscale.registry.models import load_torch_model, task_of
 from mlscale.registry.store import Artifact, ModelVersion, Registry
+from mlscale.tasks.outputs import predictions
 
 RTOL, ATOL = 1e-4, 1e-5
 ONNX_ARTIFACT = "model.onnx"
@@ -43,14 +51,26 @@ class Parity:
     passed: bool
 
 
+class Predictions(nn.Module):
+    """``model`` returning only its predictions tensor: what is exported and checked."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return predictions(self.model(inputs))
+
+
 def export_onnx(model: nn.Module, sample: torch.Tensor, path: Path) -> None:
-    """Export ``model`` (in eval mode) to ``path`` with input ``input``, output ``output``, dynamic batch."""
+    """Export ``model`` (in eval mode) to ``path`` with input ``input``, output ``output`` (its
+    predictions tensor), dynamic batch."""
     batch = torch.export.Dim("batch", min=1)
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore")
         try:
-            program = torch.onnx.export(model.eval(), (sample,), dynamo=True, input_names=["input"],
+            program = torch.onnx.export(Predictions(model).eval(), (sample,), dynamo=True, input_names=["input"],
                                         output_names=["output"], dynamic_shapes=({0: batch},), verbose=False)
         except Exception as exc:
             raise ExportError(f"ONNX export failed: {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
@@ -75,7 +95,7 @@ def check_parity(model: nn.Module, path: Path | bytes, inputs: torch.Tensor, rto
         for size in sizes:
             batch = inputs[start:start + size]
             start += size
-            expected = model(batch).numpy()
+            expected = predictions(model(batch)).numpy()
             actual = session.run(["output"], {"input": batch.numpy()})[0]
             diff = np.abs(actual - expected)
             abs_err = max(abs_err, float(diff.max()))

@@ -1,7 +1,10 @@
 """Between runs, the registry and runnable models: register a finished run, rebuild a version's model.
 
-A version stores the plain weights (safetensors, no pickle) and the run's resolved configuration; the
-model is rebuilt from its task and the verified weights are loaded into it.
+A version stores the plain weights (safetensors, no pickle; every state-dict name, ties recorded:
+``mlscale.weights``) and the run's resolved configuration; the model is rebuilt from its task and the
+verified weights are loaded into it, so a tie the model makes (a head sharing the embedding) is one
+storage again. Whatever the model returns (a tensor, tuple, dict or ``ModelOutput``), what it is served
+and exported as is its ``predictions`` tensor (``mlscale.tasks.outputs``), under the name ``output``.
 """
 
 from __future__ import annotations
@@ -12,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load as load_safetensors
 from torch import nn
 
 from mlscale.config import TrainConfig
@@ -21,6 +23,8 @@ from mlscale.errors import UsageError
 from mlscale.registry.store import WEIGHTS_ARTIFACT, ModelVersion, Registry
 from mlscale.rundir import RunDir
 from mlscale.tasks import Task, make_task
+from mlscale.tasks.outputs import predictions
+from mlscale.weights import load_weights
 
 WEIGHTS = WEIGHTS_ARTIFACT
 
@@ -31,13 +35,14 @@ def task_of(config: dict[str, Any]) -> Task:
 
 def signature_of(config: dict[str, Any], task: Task | None = None) -> dict[str, Any]:
     """Input and output tensors with a dynamic batch dimension (-1), in the Open Inference Protocol's
-    datatype names."""
+    datatype names; the output is the model's predictions tensor (one, named ``output``, whatever the
+    model returns: every runtime and the ONNX export serve that one)."""
     task = task or task_of(config)
     model = build_model(config, task)
     dtype = getattr(torch, config.get("dtype", "float32"))
     sample = task.eval.to(dtype).inputs[:2]
     with torch.no_grad(), _embeddings_fed_by(model, sample) as rows:
-        output = model(sample)
+        output = predictions(model(sample))
     spec: dict[str, Any] = {"name": "input", "datatype": v2_datatype(sample.dtype), "shape": [-1, *sample.shape[1:]]}
     if rows:  # token ids: the server refuses an id the embedding has no row for (400, not a failed call)
         spec["range"] = [0, min(rows) - 1]
@@ -88,11 +93,8 @@ def build_model(config: dict[str, Any], task: Task | None = None) -> nn.Module:
 
 def load_torch_model(registry: Registry, version: ModelVersion) -> nn.Module:
     """The version's model in eval mode, from the weights' bytes verified against their SHA-256 (those
-    very bytes: the file is not opened again after the check)."""
-    weights = load_safetensors(registry.artifact_bytes(version, WEIGHTS))
-    model = build_model(version.config)
-    model.load_state_dict(weights)
-    return model
+    very bytes: the file is not opened again after the check); its ties are one storage, as built."""
+    return load_weights(build_model(version.config), registry.artifact_bytes(version, WEIGHTS))
 
 
 def register_run(registry: Registry, run_dir: str | Path, name: str, *, description: str = "",

@@ -45,15 +45,19 @@ class OnnxRuntime:
 
 class TorchRuntime:
     """Eager torch; ``datatype`` FP16 or BF16 casts the model's weights to it, and inputs and outputs
-    are then that datatype (BF16 carried in float32 arrays, as numpy has no bfloat16)."""
+    are then that datatype (BF16 carried in float32 arrays, as numpy has no bfloat16). A model that
+    returns a tuple, dict or ``ModelOutput`` is served its predictions tensor, the one its ONNX export
+    outputs (``mlscale.tasks.outputs.predictions``)."""
 
     kind = "torch"
 
     def __init__(self, model: Any, threads: int = 1, datatype: str | None = None) -> None:
         import torch
 
+        from mlscale.tasks.outputs import predictions
+
         torch.set_num_threads(threads)
-        self.datatype, self._torch = datatype, torch
+        self.datatype, self._torch, self._predictions = datatype, torch, predictions
         self._dtype = getattr(torch, V2_TO_NAME[datatype]) if datatype else None
         self.model = model.to(self._dtype) if self._dtype is not None else model
 
@@ -63,7 +67,7 @@ class TorchRuntime:
             inputs = torch.from_numpy(batch)
             if self._dtype is not None and inputs.is_floating_point():  # token ids stay integers
                 inputs = inputs.to(self._dtype)
-            output = self.model(inputs)
+            output = self._predictions(self.model(inputs))
             return (output.float() if output.dtype == torch.bfloat16 else output).numpy()
 
 

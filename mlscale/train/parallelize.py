@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from mlscale.errors import UsageError
+from mlscale.weights import tied_groups
 
 CONTAINERS = (nn.ModuleDict, nn.ModuleList, nn.Sequential)
 
@@ -162,11 +163,7 @@ def _pattern(text: str) -> re.Pattern[str]:
 
 def _tied(model: nn.Module) -> set[str]:
     """Names of modules holding a parameter that another module holds too (a tied embedding and head)."""
-    owners: dict[int, list[str]] = {}
-    for name, module in model.named_modules(remove_duplicate=False):
-        for param in module.parameters(recurse=False):
-            owners.setdefault(id(param), []).append(name)
-    return {name for names in owners.values() if len(set(names)) > 1 for name in names}
+    return {name.rpartition(".")[0] for group in tied_groups(model) for name in group}
 
 
 def tp_plan(model: nn.Module, task_plan: dict[str, str] | None = None) -> TPPlan:

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from mlscale.train.checkpoint import OPTIMIZER_PREFIX, TrainState
 from mlscale.train.strategy import Learner
+from mlscale.weights import tie_again, tied_groups
 
 MODEL, OPTIMIZER = "model/", OPTIMIZER_PREFIX
 
@@ -76,28 +77,18 @@ def load_module_state(model: nn.Module, learner: Learner, state: TrainState, *, 
 def assemble(build: Callable[[], nn.Module], state: dict[str, torch.Tensor]) -> nn.Module:
     """A plain model holding ``state`` (a full state dict on the CPU), built without allocating its own
     weights first (on the meta device, then the tensors assigned), so assembling a split model needs
-    no second copy. A model with buffers outside its state dict is built normally instead."""
+    no second copy. A model with buffers outside its state dict is built normally instead. Weights the
+    model ties (a head sharing the embedding) are one tensor again, as built."""
     with torch.device("meta"):
         model = build()
-    ties = shared_parameters(model)
-    model.load_state_dict(state, assign=True)  # gives every name its own tensor: a tie is made again below
-    for names in ties:
-        keep = model.get_parameter(names[0])
-        for name in names[1:]:
-            owner, _, leaf = name.rpartition(".")
-            setattr(model.get_submodule(owner), leaf, keep)
+    ties = tied_groups(model)
+    model.load_state_dict(state, assign=True)
+    tie_again(model, ties)
     if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         model = build().to("cpu")
         model.load_state_dict(state)
     return model
 
-
-def shared_parameters(model: nn.Module) -> list[list[str]]:
-    """The names of each parameter that several modules hold (a tied embedding and output head)."""
-    names: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-    return [group for group in names.values() if len(group) > 1]
 
 
 def release(learner: Learner) -> None:
