@@ -38,7 +38,7 @@ class FSDPStrategy(ReplicaStrategy):
 
     name = "fsdp"
     splits_model = True
-    scalars: list[nn.Parameter] = []  # noqa: RUF012 - replaced, never changed in place
+    scalars: list[nn.Parameter] | None = None  # the parameters FSDP2 leaves whole (scalars), once known
 
     @classmethod
     def check(cls, config: TrainConfig, world: int) -> None:
@@ -72,7 +72,6 @@ class FSDPStrategy(ReplicaStrategy):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         tp = self.config.model.tp
-        self.scalars = sorted(unshardable(model), key=id)
         if tp == 1:
             mesh = init_device_mesh(self.env.device.type, (self.env.world_size,), mesh_dim_names=("dp",))
             self.dp_group = mesh.get_group()
@@ -97,8 +96,11 @@ class FSDPStrategy(ReplicaStrategy):
     def reduce_gradients(self) -> bool:
         """The scalar parameters FSDP2 leaves whole (``unshardable``): their gradients averaged over the data
         shards here, as FSDP2 averages the others."""
-        if self.env.distributed and self.scalars:
-            grads = [param.grad for param in self.scalars if param.grad is not None]
+        if self.scalars is None:  # found after set-up: materialising the meta-device model made new parameters
+            whole = unshardable(self.module) if self.env.distributed else set()
+            self.scalars = [param for param in self.module.parameters() if param in whole]  # the same order everywhere
+        grads = [param.grad for param in self.scalars if param.grad is not None]
+        if grads:
             flat = torch.stack(grads)
             dist.all_reduce(flat, group=self.dp_group)
             for grad, total in zip(grads, flat / dist.get_world_size(self.dp_group)):
