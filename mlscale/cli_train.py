@@ -81,7 +81,7 @@ def write_flag_table() -> None:
 
 
 # -- the parser, from the table --------------------------------------------------------------------------------
-def _key_value(text: str) -> tuple[str, Any]:
+def key_value(text: str) -> tuple[str, Any]:
     key, sep, raw = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
@@ -118,7 +118,7 @@ def _add_flag(p: Any, row: dict[str, Any]) -> None:
     elif kind == "append":
         p.add_argument(row["flag"], action="append", choices=row.get("choices"), **common)
     elif kind == "key_value":
-        p.add_argument(row["flag"], action="append", type=_key_value, **common)
+        p.add_argument(row["flag"], action="append", type=key_value, **common)
     elif kind == "int_or_word":
         p.add_argument(row["flag"], type=_int_or_word(row["words"]), **common)
     elif dest == "data_cache":  # --data-cache alone: memory
