@@ -13,6 +13,7 @@ from mlscale.cli_features import add_features
 from mlscale.cli_k8s import add_k8s
 from mlscale.cli_models import add_export, add_models
 from mlscale.cli_parsers import LazyParser
+from mlscale.cli_plan import add_plan
 from mlscale.cli_serve import add_serve
 from mlscale.errors import MlscaleError, UsageError
 
@@ -80,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"mlscale {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=LazyParser)
     _add_train(sub)
+    add_plan(sub)
     add_models(sub)
     add_export(sub)
     add_serve(sub)

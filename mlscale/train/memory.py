@@ -23,13 +23,35 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
+def _holders(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors whose storages hold ``tensor``'s bytes on this rank: a DTensor's local shard, a
+    wrapper subclass's inner tensors (a functional collective's ``AsyncCollectiveTensor``, which tp's
+    layers return and activation checkpointing saves, has no storage of its own)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    tensor = _local(tensor)
+    if not is_traceable_wrapper_subclass(tensor):
+        return [tensor]
+    names, _ = tensor.__tensor_flatten__()
+    return [plain for name in names for plain in _holders(getattr(tensor, name))]
+
+
+def storage_key(storage: torch.UntypedStorage) -> int:
+    """What tells one storage from another: its address, or for a storage without one (the fake and meta
+    tensors ``mlscale plan`` runs the step on, all at address 0) the storage object itself, which every
+    view of it shares. The memory planner counts with these functions, so prediction and measurement
+    count the same things."""
+    return storage._cdata if storage.device.type == "meta" else storage.data_ptr()
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` not in ``seen`` (which it extends)."""
     total = 0
-    for tensor in tensors:
-        storage = _local(tensor).untyped_storage()
-        if storage.nbytes() == 0 or storage.data_ptr() in seen:
+    for holder in (plain for tensor in tensors for plain in _holders(tensor)):
+        storage = holder.untyped_storage()
+        if storage.nbytes() == 0 or storage_key(storage) in seen:
             continue
-        seen.add(storage.data_ptr())
+        seen.add(storage_key(storage))
         total += storage.nbytes()
     return total
 
@@ -39,9 +61,9 @@ def state_memory(params: Iterable[torch.nn.Parameter], optimizers: Iterable[torc
     params = list(params)
     seen: set[int] = set()
     sizes = {
-        "params_mb": _storage_bytes(params, seen),
-        "grads_mb": _storage_bytes((p.grad for p in params if p.grad is not None), seen),
-        "optimizer_mb": _storage_bytes((value for optimizer in optimizers for state in optimizer.state.values()
+        "params_mb": storage_bytes(params, seen),
+        "grads_mb": storage_bytes((p.grad for p in params if p.grad is not None), seen),
+        "optimizer_mb": storage_bytes((value for optimizer in optimizers for state in optimizer.state.values()
                                         for value in state.values() if isinstance(value, torch.Tensor)), seen),
     }
     result = {key: value / MB for key, value in sizes.items()}
@@ -55,16 +77,13 @@ class SavedActivations:
 
     def __init__(self, params: Iterable[torch.Tensor]) -> None:
         self.bytes = 0
-        self._seen = {_local(p).untyped_storage().data_ptr() for p in params}
+        self._seen = {storage_key(holder.untyped_storage()) for p in params for holder in _holders(p)}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         if isinstance(tensor, torch.nn.Parameter):  # a weight (FSDP's gathered ones too), not an activation
             return tensor
-        storage = _local(tensor).untyped_storage()
-        if storage.data_ptr() not in self._seen:
-            self._seen.add(storage.data_ptr())
-            self.bytes += storage.nbytes()
+        self.bytes += storage_bytes([tensor], self._seen)
         return tensor
 
     def __enter__(self) -> SavedActivations:
