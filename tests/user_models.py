@@ -4,8 +4,8 @@ write them (a dict output, buffers, a free parameter outside any block).
 
 - ``gpt2``: GPT-2 with its output head tied to the token embedding (one storage), returning a
   ``ModelOutput``; no tensor-parallel plan of its own.
-- ``llama``: Llama with grouped-query attention, untied, declaring its own tensor-parallel plan
-  (``base_model_tp_plan``).
+- ``llama``: Llama with grouped-query attention, declaring its own tensor-parallel plan (``_tp_plan``);
+  untied unless ``tie=True``.
 - ``cnn``: convolutions with GroupNorm, a persistent and a non-persistent buffer, returning a dict.
 """
 
@@ -55,12 +55,12 @@ def gpt2(layers: int = 4, dim: int = 32, heads: int = 4, seq_len: int = 16, samp
 
 @declare_task
 def llama(layers: int = 4, dim: int = 32, heads: int = 4, kv_heads: int = 2, seq_len: int = 16,
-          samples: int = 256) -> Task:
+          samples: int = 256, tie: bool = False) -> Task:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=dim, intermediate_size=2 * dim, num_hidden_layers=layers,
                          num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=seq_len,
-                         use_cache=False, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
+                         use_cache=False, tie_word_embeddings=tie, bos_token_id=0, eos_token_id=0,
                          pad_token_id=None)
     train, held_out = _windows(samples, seq_len)
     return Task(name="llama", build_model=lambda: LlamaForCausalLM(config), train=train, eval=held_out,

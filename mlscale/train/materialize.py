@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from mlscale.weights import tied_groups
+
 MB = 2**20
 
 
@@ -65,7 +67,12 @@ def materialize(model: nn.Module, device: torch.device, how: str, full: Callable
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     buffers = {name: buffer.to(device) for name, buffer in model.named_buffers() if not buffer.is_meta}
-    model.to_empty(device=device)
+    ties = [[name for name in group if name not in buffers] for group in tied_groups(model)]
+    model.to_empty(device=device)  # a new Parameter per holder: a tie becomes two tensors, made one again below
+    for first, *others in (group for group in ties if len(group) > 1):
+        for name in others:
+            owner, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, model.get_parameter(first))
     for name, value in buffers.items():  # to_empty left them uninitialised: their values come back
         owner, _, leaf = name.rpartition(".")
         model.get_submodule(owner)._buffers[leaf] = value

@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from tests.helpers import final_weights, max_abs_diff, run_cli
@@ -71,6 +72,16 @@ def test_a_fsdp_x_tp_checkpoint_resumes_under_ddp(llama, tmp_path):
     stop_at(run_dir, 2)
     train(run_dir, *LLAMA, "--workers", "2", "--strategy", "ddp", "--resume")  # a 2-D checkpoint into replicas
     assert max_abs_diff(final_weights(run_dir), final_weights(root / "ddp")) <= EXACT
+
+
+def test_a_tied_head_stays_whole_and_tied_under_tensor_parallelism(tmp_path):
+    tied = [*LLAMA, "--task-opt", "tie=true"]
+    train(tmp_path / "one", *tied)
+    result = train(tmp_path / "tp", *tied, "--strategy", "tp", "--workers", "2")
+    assert "lm_head (its weight is tied to another module's)" in result.stderr
+    split = final_weights(tmp_path / "tp")
+    assert max_abs_diff(split, final_weights(tmp_path / "one")) <= EXACT
+    assert torch.equal(split["lm_head.weight"], split["model.embed_tokens.weight"])
 
 
 def test_a_model_whose_own_init_fills_its_shards_trains(tmp_path):
