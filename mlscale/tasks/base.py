@@ -48,3 +48,14 @@ class Task:
     # A deterministic per-sample transform of the inputs, run by the input pipeline (in its worker
     # processes, cached with --data-cache); the trainer transforms the eval split the same way.
     transform: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def example_inputs(self, rows: int, dtype: torch.dtype) -> torch.Tensor:
+        """``rows`` inputs as the model receives them (held-out samples, repeated if there are fewer,
+        transformed like the training samples, floats in ``dtype``): what a strategy that traces the
+        model (a pipeline) traces it on. Only the rows taken are transformed."""
+        held_out = self.eval.inputs
+        inputs = held_out[torch.arange(rows) % len(held_out)]
+        inputs = inputs.to(dtype) if inputs.is_floating_point() else inputs  # as the trainer casts its data
+        if self.transform is not None:
+            inputs = torch.stack([self.transform(x) for x in inputs])
+        return inputs

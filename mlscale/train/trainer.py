@@ -107,6 +107,7 @@ class Trainer:
         self.strategy.setup(Setup(model=model, build_model=lambda: self.task.build_model().to(dtype=self.dtype),
                                   make_learner=self._make_learner, loss_fn=self.task.loss_fn,
                                   total_steps=self.total_steps, start_step=self.step, global_batch=self.global_batch,
+                                  sample_inputs=self.task.example_inputs(config.step_batch, self.dtype).to(env.device),
                                   ready=self.faults.ready))
         if found is not None:
             self._restore(*found)
