@@ -40,9 +40,12 @@ output's pytree spec, so the task's loss takes the same structure under every st
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import operator
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
@@ -262,8 +265,7 @@ def split_model(model: nn.Module, plan: StagePlan, sample: torch.Tensor) -> Spli
     originals = dict([*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)])
     output_spec, output_leaves = _output_spec(model, sample)
     try:
-        with warnings.catch_warnings():  # torch's own deprecation notices (its pytree's LeafSpec), once per rank
-            warnings.simplefilter("ignore", FutureWarning)
+        with _quiet_tracing():
             pipe = pipeline(model, mb_args=(sample,), split_spec=dict.fromkeys(plan.starts, SplitPoint.BEGINNING))
     except Exception as exc:  # torch.export's errors have many types; each is this model's, not ours
         cause = exc.__cause__ or exc
@@ -302,6 +304,28 @@ def split_model(model: nn.Module, plan: StagePlan, sample: torch.Tensor) -> Spli
     stage_params = [sum(p.numel() for p in module.parameters()) for module in modules]
     return SplitModel(pipe, plan, ties, [names for names in aliases if len(names) > 1], output_spec, positions,
                       stage_names, stage_params)
+
+
+# torch's tracer explains on stderr what it guards and guesses (logging), prints the partial graph of a
+# trace that failed (torch.export's own print), and torch warns of its deprecations, on every rank; a trace
+# that fails is reported in one line instead, and one that works needs no commentary.
+_TRACER_LOGGERS = ("torch.fx", "torch._dynamo", "torch.export", "torch._export", "torch.distributed.pipelining")
+
+
+@contextlib.contextmanager
+def _quiet_tracing() -> Iterator[None]:
+    names = {*_TRACER_LOGGERS, *(name for name in logging.root.manager.loggerDict if name.startswith(_TRACER_LOGGERS))}
+    loggers = [logging.getLogger(name) for name in sorted(names)]  # children too: torch sets their levels
+    levels = [logger.level for logger in loggers]
+    with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
+        warnings.simplefilter("ignore", FutureWarning)
+        for logger in loggers:
+            logger.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            for logger, level in zip(loggers, levels):
+                logger.setLevel(level)
 
 
 def _output_spec(model: nn.Module, sample: torch.Tensor) -> tuple[pytree.TreeSpec | None, int | None]:
