@@ -300,7 +300,9 @@ def split_model(model: nn.Module, plan: StagePlan, sample: torch.Tensor) -> Spli
             if name not in known:
                 owner, leaf = _owner(module, name)
                 owner._non_persistent_buffers_set.add(leaf)
-    stage_names = [_describe_stage(plan, used[index], originals) for index in range(plan.stages)]
+    in_order = [f"{name}.{leaf}" if name else leaf for name, module in model.named_modules()
+                for leaf in [*module._parameters, *module._buffers]]  # each module's own tensors, then its children's
+    stage_names = [_describe_stage(plan, used[index], in_order) for index in range(plan.stages)]
     stage_params = [sum(p.numel() for p in module.parameters()) for module in modules]
     return SplitModel(pipe, plan, ties, [names for names in aliases if len(names) > 1], output_spec, positions,
                       stage_names, stage_params)
@@ -432,13 +434,13 @@ def _put(module: nn.Module, name: str, tensor: torch.Tensor, *, persistent: bool
         owner.register_buffer(leaf, tensor, persistent=persistent)
 
 
-def _describe_stage(plan: StagePlan, used: set[str], originals: dict[str, torch.Tensor]) -> list[str]:
+def _describe_stage(plan: StagePlan, used: set[str], tensor_names: list[str]) -> list[str]:
     """The parts of the model a stage runs, in the model's order: the parts around the blocks by name
     and the blocks as a span (``tok_embeddings, pos_embeddings, layers.0-1``)."""
     names: list[str] = []
     blocks = plan.blocks
     block_indices: list[int] = []
-    parts = _parts_around(plan.blocks, originals)
+    parts = _parts_around(plan.blocks, tensor_names)
     for part in parts:
         if blocks is not None and part == blocks.name + ("." if blocks.name else ""):
             prefix = part
@@ -454,12 +456,12 @@ def _describe_stage(plan: StagePlan, used: set[str], originals: dict[str, torch.
     return names
 
 
-def _parts_around(blocks: BlockContainer | None, originals: dict[str, torch.Tensor]) -> list[str]:
+def _parts_around(blocks: BlockContainer | None, tensor_names: list[str]) -> list[str]:
     """The model's parts for a description: along the path from the model to its blocks, each level's
     other children (in registration order), and the blocks' container (ending in a dot) in its place."""
     if blocks is None:
         tops: list[str] = []
-        for name in originals:
+        for name in tensor_names:
             top = name.split(".")[0]
             if top not in tops:
                 tops.append(top)
@@ -470,7 +472,7 @@ def _parts_around(blocks: BlockContainer | None, originals: dict[str, torch.Tens
 
     def walk(prefix: str, depth: int) -> None:
         children: list[str] = []
-        for name in originals:
+        for name in tensor_names:
             if not name.startswith(prefix):
                 continue
             rest = name[len(prefix):]

@@ -141,7 +141,8 @@ def test_llama_split_where_the_user_says_trains_like_one_worker(llama_runs):
 
 def test_a_cnn_with_a_dict_output_buffers_and_a_free_parameter_trains_in_three_stages_like_one_worker(cnn_runs):
     root, stderr = cnn_runs
-    assert "stage 1: blocks.1" in stderr and "stage 2: blocks.2, head, temperature" in stderr
+    assert "stage 0: pixel_mean, blocks.0 (" in stderr and "stage 1: blocks.1 (" in stderr
+    assert "stage 2: temperature, blocks.2, head (" in stderr  # the free parameter, used last, is the last stage's
     pipeline, one = final_weights(root / "pipeline"), final_weights(root / "one")
     assert "version" in pipeline and "pixel_mean" not in pipeline  # as the unsplit model saves them
     assert max_abs_diff(pipeline, one) <= EXACT
@@ -150,7 +151,8 @@ def test_a_cnn_with_a_dict_output_buffers_and_a_free_parameter_trains_in_three_s
 # -- checkpoints --------------------------------------------------------------------------------------------
 def test_a_pipeline_checkpoint_resumes_under_ddp_and_a_ddp_checkpoint_as_a_pipeline(gpt2_runs, tmp_path):
     root, _ = gpt2_runs
-    for source, layout in (("pipeline", ["--workers", "1"]), ("one", [*PIPELINE, "--workers", "2"])):
+    layouts = {"pipeline": ["--strategy", "ddp", "--workers", "1"], "one": [*PIPELINE, "--workers", "2"]}
+    for source, layout in layouts.items():
         run_dir = tmp_path / f"from-{source}"
         shutil.copytree(root / source, run_dir)
         cut_to(run_dir, 2)

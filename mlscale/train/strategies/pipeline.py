@@ -100,9 +100,9 @@ class PipelineStrategy(OneModuleState, Strategy):
 
         plan = plan_stages(model, config.pipeline.stages, config.pipeline.split_points)
         task = make_task(config.task, config.task_options)
-        microbatch = config.step_batch // config.pipeline.microbatches
-        sample = task.example_inputs(microbatch, getattr(torch, config.compute.dtype))
-        split_model(model, plan, sample.to("meta"))
+        dtype = getattr(torch, config.compute.dtype)
+        sample = task.example_inputs(config.step_batch // config.pipeline.microbatches, dtype)
+        split_model(model.to(dtype), plan, sample.to("meta"))  # in the job's dtype, as the workers trace it
 
     @property
     def simulates_compute(self) -> bool:
@@ -183,22 +183,25 @@ class PipelineStrategy(OneModuleState, Strategy):
 
     def _sync_gradients(self) -> None:
         """A tied weight's copies get the sum of their gradients (the unsplit model accumulates both uses
-        into one); then every gradient is averaged over the data-parallel replicas, in one flat buffer."""
+        into one); then every gradient is averaged over the data-parallel replicas, in one flat buffer per
+        dtype (one all-reduce, not one per parameter)."""
         for param, group in self.tie_groups:
             if param.grad is not None:
                 dist.all_reduce(param.grad, group=group)
         if self.shards == 1:
             return
-        grads = [p.grad for p in self.stage_model.parameters() if p.grad is not None]
-        if not grads:
-            return
-        flat = torch.cat([grad.reshape(-1) for grad in grads])
-        dist.all_reduce(flat, group=self.dp_group)
-        flat /= self.shards
-        at = 0
-        for grad in grads:
-            grad.copy_(flat[at:at + grad.numel()].view_as(grad))
-            at += grad.numel()
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for param in self.stage_model.parameters():
+            if param.grad is not None:
+                by_dtype.setdefault(param.grad.dtype, []).append(param.grad)
+        for grads in by_dtype.values():
+            flat = torch.cat([grad.reshape(-1) for grad in grads])
+            dist.all_reduce(flat, group=self.dp_group)
+            flat /= self.shards
+            at = 0
+            for grad in grads:
+                grad.copy_(flat[at:at + grad.numel()].view_as(grad))
+                at += grad.numel()
 
     # -- records -----------------------------------------------------------------------------------
     def gather_floats(self, rows: list[list[float]]) -> list[list[float]]:
