@@ -233,8 +233,9 @@ class PipelineOptions(Options):
         "blocks, the largest ModuleList/ModuleDict/Sequential of modules of one type wherever it is "
         "(transformer.h, model.layers), balanced by parameter count; what runs before the blocks goes to the "
         "first stage, what runs after to the last. A weight tied across stages (an embedding shared with the "
-        "output head) is held by each and kept in step (gradients summed). --workers must be a multiple: "
-        "workers / P data-parallel replicas", ge=1, metavar="P")
+        "output head) is held by each and kept in step (gradients summed). Refused in one line: a model torch "
+        "cannot export (use fsdp), one with no repeated blocks and no --split-points. --workers must be a "
+        "multiple: workers / P data-parallel replicas", ge=1, metavar="P")
     split_points: Annotated[list[str], BeforeValidator(_comma_separated)] = option(
         list, "split here instead: the P-1 modules where stages 1..P-1 begin, in the order the model runs "
         "them (e.g. transformer.h.2 for 2 stages)", metavar="FQN,...")

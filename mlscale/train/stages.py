@@ -72,15 +72,14 @@ class BlockContainer:
 
 def find_blocks(model: nn.Module) -> BlockContainer | None:
     """The container of the model's repeated blocks (module docstring), or None when it has none."""
-    best: tuple[int, int] | None = None
+    best: tuple[bool, int, int] | None = None
     found: BlockContainer | None = None
     for name, module in model.named_modules():
-        if not isinstance(module, CONTAINERS) or len(module._modules) < 2:
-            continue
         children = [child for child in module._modules.values() if child is not None]
-        if len({type(child) for child in children}) != 1:
+        if not isinstance(module, CONTAINERS) or not children or len({type(child) for child in children}) != 1:
             continue
-        size = (param_count(module), len(children))
+        # blocks that repeat first (one block alone is found only to say it cannot be split), then the largest
+        size = (len(children) > 1, param_count(module), len(children))
         if best is None or size > best:
             best, found = size, BlockContainer(name, tuple(k for k, v in module._modules.items() if v is not None))
     if found is None and isinstance(model, nn.Sequential) and len(model._modules) >= 2:
@@ -233,6 +232,11 @@ class SplitModel:
     def take_stage(self, index: int, device: torch.device, group: Any = None) -> Any:
         """The ``PipelineStage`` of stage ``index``; the other stages' modules are released (so this
         process keeps only its own stage's weights once the plain model is gone)."""
+        split_gm = self.pipe.split_gm
+        for name in [name for name in split_gm._modules if name != f"submod_pp_{index}"]:
+            # The stage keeps the pipe's graph (which stage sends what to whom), and the graph its module:
+            # without this every stage's weights would stay alive in every process.
+            delattr(split_gm, name)
         stage = self.pipe.build_stage(index, device, group)
         self.pipe = None
         return stage
@@ -255,8 +259,8 @@ class SplitModel:
 def split_model(model: nn.Module, plan: StagePlan, sample: torch.Tensor) -> SplitModel:
     """Trace ``model`` on ``sample`` (one microbatch of inputs) and cut it at ``plan.starts``. A model
     torch cannot export, or a split that does not give ``plan.stages`` stages ending in the model's
-    output, is refused with one line. ``model`` is changed (its split modules are marked) and should not
-    be used afterwards; the stage modules share its tensors."""
+    output, is refused with one line. The stage modules share ``model``'s tensors (all but the copies of a
+    weight tied across stages), and ``model`` runs as before."""
     from torch.distributed.pipelining import SplitPoint, pipeline
 
     aliases = alias_groups(model)
@@ -272,6 +276,8 @@ def split_model(model: nn.Module, plan: StagePlan, sample: torch.Tensor) -> Spli
         hint = "choose other --split-points or" if plan.given else "name other stage starts with --split-points or"
         raise UsageError(f"--strategy pipeline cannot trace this model with torch.export ({type(cause).__name__}: "
                          f"{first_line(cause)[:200]}); {hint} train it with --strategy fsdp") from None
+    finally:
+        _unmark_split_points(model, plan.starts)
     if pipe.num_stages != plan.stages:
         raise UsageError(f"bad value split-points={','.join(plan.starts)!r}: the traced model has {pipe.num_stages} "
                          f"stage(s), not {plan.stages} (a split point that runs first, or twice, or never)")
@@ -328,6 +334,17 @@ def _quiet_tracing() -> Iterator[None]:
         finally:
             for logger, level in zip(loggers, levels):
                 logger.setLevel(level)
+
+
+def _unmark_split_points(model: nn.Module, starts: Iterable[str]) -> None:
+    """Undo ``pipeline()``'s marks on the plain model (each start module's ``forward`` replaced by a method
+    bound to the module): the model runs as before, and, no longer a reference cycle, is freed as soon as
+    the trainer lets go of it rather than at the next garbage collection; under ``--memory-limit-mb``
+    the other stages' weights would otherwise still count in the first step."""
+    for name in starts:
+        module = model.get_submodule(name)
+        module.__dict__.pop("forward", None)
+        module.__dict__.pop("_orig_forward", None)
 
 
 def _output_spec(model: nn.Module, sample: torch.Tensor) -> tuple[pytree.TreeSpec | None, int | None]:

@@ -23,6 +23,7 @@ update. Checkpoints hold the unsplit model's names, so they load into any other 
 
 from __future__ import annotations
 
+import gc
 import sys
 import time
 from datetime import timedelta
@@ -138,6 +139,7 @@ class PipelineStrategy(OneModuleState, Strategy):
             self.stage_model.register_forward_hook(
                 lambda _m, _i, out: _simulated(out, per_microbatch / 3, 2 * per_microbatch / 3))
         self.learner: Learner = setup.make_learner(self.stage_model.parameters())
+        self.collected = False
         task_loss, rebuild = setup.loss_fn, self.split.rebuild_output
         schedule = ScheduleGPipe if config.pipeline.schedule == "gpipe" else Schedule1F1B
         self.schedule = schedule(stage, n_microbatches=self.microbatches,
@@ -157,6 +159,12 @@ class PipelineStrategy(OneModuleState, Strategy):
     # -- the step ----------------------------------------------------------------------------------
     def step(self, batch: Batch | None) -> StepResult:
         assert batch is not None, "every pipeline stage is given its replica's batch"
+        if not self.collected:
+            # The plain model, the other stages' weights and the tracer's leftovers are held by reference
+            # cycles (torch.export's wrapper module, frames kept by exceptions it caught): collected now,
+            # before the first step's gradients and optimizer state, not whenever Python next collects.
+            gc.collect()
+            self.collected = True
         self.learner.optimizer.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
         with self.learner.autocast():
