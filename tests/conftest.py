@@ -73,6 +73,7 @@ SLOW_FIRST = (
     "tests/test_demo.py",
     "tests/train/test_fault_tolerance.py",
     "tests/train/test_model_parallel.py",
+    "tests/train/test_pipeline.py",
     "tests/test_declared_tasks.py",
     "tests/train/test_accumulation.py",
     "tests/train/test_resume.py",
