@@ -468,9 +468,7 @@ def _describe_stage(plan: StagePlan, used: set[str], tensor_names: list[str]) ->
                 names.append(f"{prefix}{first}" + (f"-{last}" if last != first else ""))
         elif any(name == part or name.startswith(part + ".") for name in used):
             names.append(part)
-    if not names and plan.given:
-        return [f"from {plan.starts[0]}" if used else "(no weights)"]
-    return names
+    return names or ["(no weights)"]
 
 
 def _parts_around(blocks: BlockContainer | None, tensor_names: list[str]) -> list[str]:
