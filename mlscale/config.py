@@ -216,13 +216,29 @@ class PSOptions(Options):
         0, "bsp: a step applies the first workers-B gradients and drops the late ones", ge=0, metavar="B")
 
 
+def _comma_separated(value: Any) -> Any:
+    """``--split-points a,b`` (or the flag repeated, or a list in a file): the names, in order."""
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list):
+        return value
+    return [name.strip() for item in items for name in str(item).split(",") if name.strip()]
+
+
 class PipelineOptions(Options):
     title = "pipeline (--strategy pipeline)"
     only = {"strategy": ("pipeline",)}
 
     stages: int = option(
-        2, "stages the model's blocks are split into, balanced by parameter count; --workers must be a multiple: "
-        "workers / P data-parallel replicas", ge=1, metavar="P")
+        2, "stages the model is split into (torch.export traces it; any model it can export): at its repeated "
+        "blocks, the largest ModuleList/ModuleDict/Sequential of modules of one type wherever it is "
+        "(transformer.h, model.layers), balanced by parameter count; what runs before the blocks goes to the "
+        "first stage, what runs after to the last. A weight tied across stages (an embedding shared with the "
+        "output head) is held by each and kept in step (gradients summed). Refused in one line: a model torch "
+        "cannot export (use fsdp), one with no repeated blocks and no --split-points. --workers must be a "
+        "multiple: workers / P data-parallel replicas", ge=1, metavar="P")
+    split_points: Annotated[list[str], BeforeValidator(_comma_separated)] = option(
+        list, "split here instead: the P-1 modules where stages 1..P-1 begin, in the order the model runs "
+        "them (e.g. transformer.h.2 for 2 stages)", metavar="FQN,...")
     microbatches: int = option(
         4, "microbatches each batch is cut into; must divide --batch-size. The idle share of each stage, the "
         "bubble, is (P-1)/(M+P-1)", ge=1, metavar="M")

@@ -77,6 +77,7 @@ SLOW_FIRST = (
     "tests/train/test_user_models_sharded.py",
     "tests/train/test_memory_plan.py",
     "tests/train/test_too_big.py",
+    "tests/train/test_pipeline.py",
     "tests/test_declared_tasks.py",
     "tests/train/test_accumulation.py",
     "tests/train/test_resume.py",

@@ -52,3 +52,14 @@ class Task:
     # a block's index) -> "colwise" | "rowwise" | "colwise_gather_output" | "embedding_rowwise" (the words of
     # Hugging Face's ``_tp_plan``). Without one, the model's own declared plan is used, else tinylm's.
     tp_plan: dict[str, str] | None = None
+
+    def example_inputs(self, rows: int, dtype: torch.dtype) -> torch.Tensor:
+        """``rows`` inputs as the model receives them (held-out samples, repeated if there are fewer,
+        transformed like the training samples, floats in ``dtype``): what a strategy that traces the
+        model (a pipeline) traces it on. Only the rows taken are transformed."""
+        held_out = self.eval.inputs
+        inputs = held_out[torch.arange(rows) % len(held_out)]
+        inputs = inputs.to(dtype) if inputs.is_floating_point() else inputs  # as the trainer casts its data
+        if self.transform is not None:
+            inputs = torch.stack([self.transform(x) for x in inputs])
+        return inputs

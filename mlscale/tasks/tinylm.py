@@ -6,11 +6,10 @@ characters: the model reads the first ``seq_len`` and predicts each next one.
 
 The model is plain PyTorch: embeddings, ``layers`` blocks (causal self-attention and an MLP, each
 with a residual and a pre-norm) in an ``nn.ModuleDict`` keyed "0".."n-1", a final norm and an output
-projection. Nothing in it knows about parallelism. Two habits let parallelisation code work on it from
-outside, as torchtitan's models do: attention infers its head count from the width of its projections
-(so a tensor-parallel split of the heads needs no change), and every part may be missing (``None``,
-or blocks deleted from ``layers``), so a pipeline stage is the model with the other stages' parts
-removed — keeping the unsplit model's parameter names.
+projection. Nothing in it knows about parallelism; parallelisation code works on it from outside, as
+torchtitan's models do: attention infers its head count from the width of its projections (so a
+tensor-parallel split of the heads needs no change), and a pipeline traces it like any other model
+(``mlscale.train.stages``).
 """
 
 from __future__ import annotations
@@ -112,11 +111,11 @@ class TinyLM(nn.Module):
 
     def __init__(self, vocab: int, dim: int, layers: int, heads: int, seq_len: int, hidden: int) -> None:
         super().__init__()
-        self.tok_embeddings: nn.Module | None = nn.Embedding(vocab, dim)
-        self.pos_embeddings: nn.Module | None = nn.Embedding(seq_len, dim)
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.pos_embeddings = nn.Embedding(seq_len, dim)
         self.layers = nn.ModuleDict({str(i): Block(dim, heads, hidden) for i in range(layers)})
-        self.norm: nn.Module | None = nn.LayerNorm(dim)
-        self.output: nn.Module | None = nn.Linear(dim, vocab, bias=False)
+        self.norm = nn.LayerNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
         self.init_weights()
 
     def init_weights(self) -> None:
@@ -133,17 +132,11 @@ class TinyLM(nn.Module):
                 nn.init.ones_(param)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = tokens
-        if self.tok_embeddings is not None:
-            positions = torch.arange(tokens.shape[1], device=tokens.device)
-            x = self.tok_embeddings(tokens) + self.pos_embeddings(positions)
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.tok_embeddings(tokens) + self.pos_embeddings(positions)
         for block in self.layers.values():
             x = block(x)
-        if self.norm is not None:
-            x = self.norm(x)
-        if self.output is not None:
-            x = self.output(x)
-        return x
+        return self.output(self.norm(x))
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -41,11 +41,11 @@ from mlscale.train.parallelize import (
     apply_activation_checkpointing,
     apply_fsdp,
     apply_tp,
-    balance,
     block_container,
     param_count,
     tp_plan,
 )
+from mlscale.train.stages import balance
 from mlscale.train.trainer import build_optimizer
 
 MB = 2**20
@@ -336,7 +336,7 @@ class _Planner:
 
         strategy = strategy_class(layout.strategy)
         strategy.check(config, layout.processes)
-        if layout.strategy == "pipeline":  # split here by its blocks (the pipeline's own split is being widened)
+        if layout.strategy == "pipeline":  # split by its blocks, balanced as mlscale.train.stages balances them
             found = block_container(model)
             if found is None:
                 raise UsageError("no repeated blocks (a ModuleList, ModuleDict or Sequential of same-typed "
@@ -470,7 +470,7 @@ def _pipeline_units(model: nn.Module) -> _Units:
 
 
 def _stage_units(units: _Units, stages: int) -> list[list[str]]:
-    """The units of each stage: the blocks balanced by parameter count (``parallelize.balance``), what
+    """The units of each stage: the blocks balanced by parameter count (``stages.balance``), what
     comes before them counted with the first block and what comes after with the last."""
     blocks = units.order[1:-1]
 

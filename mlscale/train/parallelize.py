@@ -1,16 +1,15 @@
-"""How a plain model is split over devices: FSDP2 units, tensor-parallel plans and pipeline stages.
+"""How a plain model is split over devices: FSDP2 units and tensor-parallel plans (pipeline stages are
+``mlscale.train.stages``).
 
 Model code never imports this; these functions take a finished plain model and change it from
 outside (torchtitan's separation of model and ``parallelize``). What they know about a model is its
 structure: the blocks in containers (``nn.ModuleDict`` / ``nn.ModuleList`` / ``nn.Sequential``), the
-names of a transformer block's projections, and for pipeline stages which top-level parts come
-before and after the blocks.
+names of a transformer block's projections.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import nn
@@ -25,21 +24,45 @@ def param_count(module: nn.Module | None) -> int:
     return 0 if module is None else sum(p.numel() for p in module.parameters())
 
 
-def block_container(model: nn.Module) -> tuple[str, nn.Module] | None:
-    """The model's repeated blocks: the container (``ModuleList``/``ModuleDict``/``Sequential``) with the
-    most children of one type holding parameters, found anywhere in the model (``transformer.h``,
-    ``model.layers``, tinylm's ``layers``, a Sequential model itself); ``None`` without one."""
-    best: tuple[int, int, str, nn.Module] | None = None
+# -- the blocks ------------------------------------------------------------------------------------------
+# The model's repeated blocks are the container (ModuleList/ModuleDict/Sequential) whose children all have
+# one type, found anywhere in the model (transformer.h, model.layers, tinylm's layers): blocks that repeat
+# first, then the largest by parameters. A Sequential of layers of different kinds is its own container.
+@dataclass(frozen=True)
+class BlockContainer:
+    """The model's repeated blocks: the container's name ("" for the model itself) and its children's."""
+
+    name: str
+    children: tuple[str, ...]
+
+    def fqn(self, child: str) -> str:
+        return f"{self.name}.{child}" if self.name else child
+
+
+def find_blocks(model: nn.Module) -> BlockContainer | None:
+    """The container of the model's repeated blocks (module docstring), or None when it has none."""
+    best: tuple[bool, int, int] | None = None
+    found: BlockContainer | None = None
     for name, module in model.named_modules():
-        if not isinstance(module, CONTAINERS):
+        children = [child for child in module._modules.values() if child is not None]
+        if not isinstance(module, CONTAINERS) or not children or len({type(child) for child in children}) != 1:
             continue
-        children = [child for child in module.children() if param_count(child)]
-        if len(children) < 2 or len({type(child) for child in children}) != 1:
-            continue
-        key = (len(children), param_count(module))
-        if best is None or key > best[:2]:
-            best = (*key, name, module)
-    return None if best is None else (best[2], best[3])
+        # blocks that repeat first (one block alone is found only to say it cannot be split), then the largest
+        size = (len(children) > 1, param_count(module), len(children))
+        if best is None or size > best:
+            best, found = size, BlockContainer(name, tuple(k for k, v in module._modules.items() if v is not None))
+    if found is None and isinstance(model, nn.Sequential) and len(model._modules) >= 2:
+        found = BlockContainer("", tuple(model._modules))  # layers of different kinds, run in order
+    return found
+
+
+def block_container(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """The container of the model's repeated blocks and its name ("" for the model itself); ``None``
+    without two or more blocks."""
+    found = find_blocks(model)
+    if found is None or len(found.children) < 2:
+        return None
+    return found.name, model.get_submodule(found.name) if found.name else model
 
 
 # -- activation checkpointing ---------------------------------------------------------------------------
@@ -231,102 +254,3 @@ def apply_tp(model: nn.Module, mesh: object, plan: TPPlan) -> nn.Module:
               "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
               "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate())}
     return parallelize_module(model, mesh, {name: styles[style]() for name, style in plan.modules.items()})
-
-
-# -- pipeline stages --------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class StagePlan:
-    """Which blocks of the model each stage holds; stage 0 also the parts before them, the last stage
-    the parts after them."""
-
-    blocks: list[list[str]]  # names of the container's children, per stage
-    container: str  # "" for a Sequential model itself, else the attribute holding the blocks
-    before: tuple[str, ...]
-    after: tuple[str, ...]
-    params: list[int]
-
-    def describe(self) -> str:
-        def span(names: list[str]) -> str:
-            prefix = f"{self.container}." if self.container else ""
-            return prefix + (names[0] if len(names) == 1 else f"{names[0]}-{names[-1]}")
-
-        parts = []
-        for stage, names in enumerate(self.blocks):
-            pieces = [*(self.before if stage == 0 else ()), span(names), *(self.after if stage == len(self.blocks)
-                                                                            - 1 else ())]
-            parts.append(f"stage {stage}: {', '.join(pieces)} ({self.params[stage]:,} parameters)")
-        return "; ".join(parts)
-
-
-def _structure(model: nn.Module) -> tuple[str, nn.Module, tuple[str, ...], tuple[str, ...]]:
-    """(container name, container, parts before, parts after): a Sequential is its own container; a
-    model with a ``layers`` container has the children registered before it first, the rest after."""
-    if isinstance(model, nn.Sequential):
-        return "", model, (), ()
-    layers = getattr(model, "layers", None)
-    if isinstance(layers, (nn.ModuleDict, nn.ModuleList, nn.Sequential)):
-        names = list(model._modules)
-        at = names.index("layers")
-        return "layers", layers, tuple(names[:at]), tuple(names[at + 1:])
-    raise UsageError("--strategy pipeline splits an nn.Sequential model or one whose blocks are in a `layers` "
-                     "container (as --task tinylm); this model is neither. Use --strategy fsdp to shard it")
-
-
-def balance(weights: Sequence[int], parts: int) -> list[int]:
-    """Cut ``weights`` into ``parts`` contiguous non-empty runs with the smallest largest sum (exact,
-    by dynamic programming); returns the run lengths."""
-    n = len(weights)
-    prefix = [0]
-    for w in weights:
-        prefix.append(prefix[-1] + w)
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(parts + 1)]
-    cut = [[0] * (n + 1) for _ in range(parts + 1)]
-    best[0][0] = 0
-    for k in range(1, parts + 1):
-        for end in range(k, n + 1):
-            for start in range(k - 1, end):
-                cost = max(best[k - 1][start], prefix[end] - prefix[start])
-                if cost < best[k][end]:
-                    best[k][end], cut[k][end] = cost, start
-    lengths, end = [], n
-    for k in range(parts, 0, -1):
-        start = cut[k][end]
-        lengths.append(end - start)
-        end = start
-    return lengths[::-1]
-
-
-def plan_stages(model: nn.Module, stages: int) -> StagePlan:
-    """Split the blocks into ``stages`` contiguous groups balanced by parameter count (the parts before
-    and after the blocks counted with the first and last stage)."""
-    container_name, container, before, after = _structure(model)
-    names = list(container._modules)
-    if len(names) < stages:
-        raise UsageError(f"bad value stages={stages}: the model has only {len(names)} block(s) to split")
-    weights = [param_count(container._modules[name]) for name in names]
-    weights[0] += sum(param_count(getattr(model, part)) for part in before)
-    weights[-1] += sum(param_count(getattr(model, part)) for part in after)
-    groups, at = [], 0
-    for length in balance(weights, stages):
-        groups.append(names[at:at + length])
-        at += length
-    params = [sum(weights[names.index(n)] for n in group) for group in groups]
-    return StagePlan(groups, container_name, before, after, params)
-
-
-def keep_stage(model: nn.Module, plan: StagePlan, stage: int) -> nn.Module:
-    """``model`` with every other stage's parts removed; the names of what is left are unchanged (so
-    checkpoints keep the unsplit model's names)."""
-    container = getattr(model, plan.container) if plan.container else model
-    keep = set(plan.blocks[stage])
-    for name in list(container._modules):
-        if name not in keep:
-            del container._modules[name]  # not `del container[i]`: a Sequential would renumber the rest
-    if stage != 0:
-        for part in plan.before:
-            setattr(model, part, None)
-    if stage != len(plan.blocks) - 1:
-        for part in plan.after:
-            setattr(model, part, None)
-    return model

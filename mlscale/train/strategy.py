@@ -171,6 +171,9 @@ class Setup:
     weight_init: str = "full"  # full | sharded
     full_weights: Callable[[], dict[str, torch.Tensor]] = dict
     tp_plan: dict[str, str] | None = None  # the task's tensor-parallel plan, if it declares one
+    # One batch of example inputs as the model receives them (held-out samples, transformed, in the job's
+    # dtype, on this rank's device), for a strategy that traces the model (a pipeline, on a microbatch).
+    sample_inputs: torch.Tensor | None = None
     # Called by a strategy once this process can be seen by its peers (per-step fault tolerance: its
     # torchft Manager heartbeats to the lighthouse); the trainer's fault injector listens (rejoin_by).
     ready: Callable[[], None] = lambda: None

@@ -116,6 +116,7 @@ class Trainer:
                                   make_learner=self._make_learner, loss_fn=self.task.loss_fn,
                                   total_steps=self.total_steps, start_step=self.step, global_batch=self.global_batch,
                                   weight_init=weight_init, full_weights=self._full_weights, tp_plan=self.task.tp_plan,
+                                  sample_inputs=self.task.example_inputs(config.step_batch, self.dtype).to(env.device),
                                   ready=self.faults.ready))
         if found is not None:
             self._restore(*found)

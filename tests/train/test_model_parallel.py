@@ -59,9 +59,9 @@ def pipeline_run(runs):
 # -- one step, in two processes: gradients and loss of each schedule against the unsplit model -------------
 def _stage_gradients(rank: int, store_path: str, out: str) -> None:
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
-    from mlscale.train.parallelize import keep_stage, plan_stages
+    from mlscale.train.stages import plan_stages, split_model
 
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
     task = make_task("tinylm", {"dim": 32, "layers": 4, "heads": 4, "seq_len": 16, "samples": 64})
@@ -70,9 +70,9 @@ def _stage_gradients(rank: int, store_path: str, out: str) -> None:
     for name, schedule_type in (("gpipe", ScheduleGPipe), ("1f1b", Schedule1F1B)):
         torch.manual_seed(0)
         model = task.build_model().double()
-        stage_model = keep_stage(model, plan_stages(model, 2), rank)
-        schedule = schedule_type(PipelineStage(stage_model, rank, 2, torch.device("cpu")), n_microbatches=4,
-                                 loss_fn=task.loss_fn)
+        split = split_model(model, plan_stages(model, 2), inputs[:2])  # traced on one microbatch
+        stage_model = split.stage_module(rank)
+        schedule = schedule_type(split.take_stage(rank, torch.device("cpu")), n_microbatches=4, loss_fn=task.loss_fn)
         losses: list[torch.Tensor] = []
         if rank == 0:
             schedule.step(inputs)

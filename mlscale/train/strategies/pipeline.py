@@ -1,21 +1,29 @@
-"""Pipeline parallelism with torch.distributed.pipelining: the model's blocks split into P stages.
+"""Pipeline parallelism with torch.distributed.pipelining: the model traced and split into P stages.
 
-``--stages P --microbatches M --schedule gpipe|1f1b``. Rank ``r`` is stage ``r % P`` of replica
-``r // P``; ``--workers`` must be a multiple of P, and ``--workers / P`` replicas train data-parallel
-(each stage's gradients averaged over the replicas by DDP, on the ``dp`` dimension of a 2-D device
-mesh). Each replica reads its own data shard of ``--batch-size`` samples, cut into M microbatches
-that flow through the stages: GPipe runs every forward then every backward; 1F1B (PipeDream-Flush)
-alternates them once the pipeline is full, holding at most P microbatches' activations instead of M.
-Either way a step computes the gradient of the whole batch (the mean of the microbatches' mean losses,
-equal microbatches), so P stages with M microbatches train exactly like one worker with the batch.
+``--stages P --microbatches M --schedule gpipe|1f1b [--split-points FQN,...]``. Rank ``r`` is stage
+``r % P`` of replica ``r // P``; ``--workers`` must be a multiple of P, and ``--workers / P`` replicas
+train data-parallel (each stage's gradients averaged over the replicas on the ``dp`` dimension of a 2-D
+device mesh, after the schedule's last backward). Each replica reads its own data shard of
+``--batch-size`` samples, cut into M microbatches that flow through the stages: GPipe runs every forward
+then every backward; 1F1B (PipeDream-Flush) alternates them once the pipeline is full, holding at most P
+microbatches' activations instead of M. Either way a step computes the gradient of the whole batch (the
+mean of the microbatches' mean losses, equal microbatches), so P stages with M microbatches train
+exactly like one worker with the batch.
 
-The split is balanced by parameter count (``mlscale.train.parallelize.plan_stages``) and printed at
-the start. A stage is the plain model with the other stages' parts removed, so its parameters keep the
-unsplit model's names: checkpoints from a pipeline load into any other layout and back.
+Every rank traces the plain model on one microbatch of example inputs (``Setup.sample_inputs``) with
+``torch.export`` and keeps its own stage (``mlscale.train.stages``: where the split is, and how the
+traced stages keep the unsplit model's names, buffers and ties); the split is printed at the start. The
+launcher traces it once on the meta device first, so a model torch cannot export, or split points that do
+not fit it, are one line and exit 2 before any worker starts. The last stage's output is rebuilt into
+what the model returns before the task's loss sees it. A weight tied across stages (GPT-2's token
+embedding and output head) is a copy on each stage that uses it; after the backward its gradients are
+summed over those stages of the replica (a process group of theirs), so every copy takes the same
+update. Checkpoints hold the unsplit model's names, so they load into any other layout and back.
 """
 
 from __future__ import annotations
 
+import gc
 import sys
 import time
 from datetime import timedelta
@@ -25,14 +33,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.nn.parallel import DistributedDataParallel
 
 from mlscale.config import PipelineOptions, TrainConfig
 from mlscale.errors import UsageError
 from mlscale.train.dist import all_gather_rows, receive_state, send_state
 from mlscale.train.memory import state_memory
-from mlscale.train.parallelize import StagePlan, keep_stage, plan_stages
 from mlscale.train.plan import MeshDims
+from mlscale.train.stages import SplitModel, StagePlan, plan_stages, retie, split_model
 from mlscale.train.state import OneModuleState, assemble, release
 from mlscale.train.strategy import Batch, Learner, Setup, StepResult, StepRow, Strategy
 from mlscale.train.timing import StepTimes, now
@@ -80,11 +87,24 @@ class PipelineStrategy(OneModuleState, Strategy):
                              f"microbatch per stage ({config.pipeline.stages}); use more or --schedule gpipe")
         if config.compute.precision == "fp16":
             raise UsageError("bad value precision='fp16': pipeline schedules do not scale losses; use bf16 or fp32")
+        points = config.pipeline.split_points
+        if points and len(points) != config.pipeline.stages - 1:
+            raise UsageError(f"bad value split-points={','.join(points)!r}: {len(points)} name(s) for --stages "
+                             f"{config.pipeline.stages}; a split point is where a stage after the first begins, so "
+                             f"give {config.pipeline.stages - 1}")
 
     @classmethod
     def check_model(cls, config: TrainConfig, model: nn.Module, world: int,
                     task_tp_plan: dict[str, str] | None = None) -> None:
-        plan_stages(model, config.pipeline.stages)
+        """Plan the split and trace the (meta-device) model the way every worker will, so that what cannot
+        be split is refused before any process starts."""
+        from mlscale.tasks import make_task
+
+        plan = plan_stages(model, config.pipeline.stages, config.pipeline.split_points)
+        task = make_task(config.task, config.task_options)
+        dtype = getattr(torch, config.compute.dtype)
+        sample = task.example_inputs(config.step_batch // config.pipeline.microbatches, dtype)
+        split_model(model.to(dtype), plan, sample.to("meta"))  # in the job's dtype, as the workers trace it
 
     @property
     def simulates_compute(self) -> bool:
@@ -92,39 +112,60 @@ class PipelineStrategy(OneModuleState, Strategy):
 
     # -- set-up ------------------------------------------------------------------------------------
     def setup(self, setup: Setup) -> None:
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
         config, env = self.config, self.env
         self.stages, self.microbatches = config.pipeline.stages, config.pipeline.microbatches
         self.replica, self.stage_index = divmod(env.rank, self.stages)
         self.first, self.last = self.stage_index == 0, self.stage_index == self.stages - 1
-        self.build_plain, self.loss_fn = setup.build_model, setup.loss_fn
+        self.build_plain = setup.build_model
         self.total_steps, self.steps_done, self.global_batch = setup.total_steps, setup.start_step, setup.global_batch
         mesh = init_device_mesh(env.device.type, (env.world_size // self.stages, self.stages),
                                 mesh_dim_names=("dp", "pp"))
+        self.dp_group = mesh["dp"].get_group()
         self.control = dist.new_group(backend="gloo", timeout=timedelta(seconds=config.recovery.collective_timeout_s))
-        self.plan: StagePlan = plan_stages(setup.model, self.stages)
+        assert setup.sample_inputs is not None, "the trainer gives example inputs to trace the model on"
+        self.plan: StagePlan = plan_stages(setup.model, self.stages, config.pipeline.split_points)
+        sample = setup.sample_inputs[:config.step_batch // self.microbatches]
+        self.split: SplitModel = split_model(setup.model, self.plan, sample)
         if env.is_main:
             print(f"mlscale: pipeline of {self.stages} stages x {self.shards} replica(s), {self.microbatches} "
-                  f"microbatches, {config.pipeline.schedule}: {self.plan.describe()}", file=sys.stderr, flush=True)
-        self.stage_model = keep_stage(setup.model, self.plan, self.stage_index)
-        self.module: nn.Module = self.stage_model
-        if self.shards > 1:
-            device_ids = [env.device] if env.device.type == "cuda" else None
-            self.module = DistributedDataParallel(self.stage_model, device_ids=device_ids,
-                                                  process_group=mesh["dp"].get_group())
+                  f"microbatches, {config.pipeline.schedule}: {self.split.describe()}", file=sys.stderr, flush=True)
+        self.stage_model: nn.Module = self.split.stage_module(self.stage_index)
+        self.module = self.stage_model
+        self.tie_groups = self._tie_groups()
+        stage = self.split.take_stage(self.stage_index, env.device, group=mesh["pp"].get_group())
         if config.compute.simulated_compute_ms:
             per_microbatch = config.compute.simulated_compute_ms / 1e3 / self.microbatches
             self.stage_model.register_forward_hook(
-                lambda _m, _i, out: _SimulatedWork.apply(out, per_microbatch / 3, 2 * per_microbatch / 3))
-        self.learner: Learner = setup.make_learner(self.module.parameters())
-        stage = PipelineStage(self.module, self.stage_index, self.stages, env.device, group=mesh["pp"].get_group())
+                lambda _m, _i, out: _simulated(out, per_microbatch / 3, 2 * per_microbatch / 3))
+        self.learner: Learner = setup.make_learner(self.stage_model.parameters())
+        self.collected = False
+        task_loss, rebuild = setup.loss_fn, self.split.rebuild_output
         schedule = ScheduleGPipe if config.pipeline.schedule == "gpipe" else Schedule1F1B
-        self.schedule = schedule(stage, n_microbatches=self.microbatches, loss_fn=self.loss_fn)
+        self.schedule = schedule(stage, n_microbatches=self.microbatches,
+                                 loss_fn=lambda output, target: task_loss(rebuild(output), target))
+
+    def _tie_groups(self) -> list[tuple[nn.Parameter, Any]]:
+        """This stage's copies of weights tied across stages, each with the process group of the stages of
+        this replica that hold one. Every rank creates every group (new_group is collective), in one order."""
+        mine = []
+        for tie in self.split.ties:
+            for replica in range(self.shards):
+                group = dist.new_group(ranks=[replica * self.stages + stage for stage in tie.stages])
+                if replica == self.replica and self.stage_index in tie.stages:
+                    mine.append((self.stage_model.get_parameter(tie.names[0]), group))
+        return mine
 
     # -- the step ----------------------------------------------------------------------------------
     def step(self, batch: Batch | None) -> StepResult:
         assert batch is not None, "every pipeline stage is given its replica's batch"
+        if not self.collected:
+            # The plain model, the other stages' weights and the tracer's leftovers are held by reference
+            # cycles (torch.export's wrapper module, frames kept by exceptions it caught): collected now,
+            # before the first step's gradients and optimizer state, not whenever Python next collects.
+            gc.collect()
+            self.collected = True
         self.learner.optimizer.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
         with self.learner.autocast():
@@ -134,6 +175,7 @@ class PipelineStrategy(OneModuleState, Strategy):
                 self.schedule.step(target=batch.targets, losses=losses)
             else:
                 self.schedule.step()
+        self._sync_gradients()
         update_start = now()
         self.learner.apply()
         if self.env.device.type == "cuda":
@@ -148,6 +190,28 @@ class PipelineStrategy(OneModuleState, Strategy):
         return StepResult(step=self.steps_done, done=self.steps_done >= self.total_steps, samples=self.global_batch,
                           rows=[row], positions=dict.fromkeys(range(self.shards), batch.position))
 
+    def _sync_gradients(self) -> None:
+        """A tied weight's copies get the sum of their gradients (the unsplit model accumulates both uses
+        into one); then every gradient is averaged over the data-parallel replicas, in one flat buffer per
+        dtype (one all-reduce, not one per parameter)."""
+        for param, group in self.tie_groups:
+            if param.grad is not None:
+                dist.all_reduce(param.grad, group=group)
+        if self.shards == 1:
+            return
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for param in self.stage_model.parameters():
+            if param.grad is not None:
+                by_dtype.setdefault(param.grad.dtype, []).append(param.grad)
+        for grads in by_dtype.values():
+            flat = torch.cat([grad.reshape(-1) for grad in grads])
+            dist.all_reduce(flat, group=self.dp_group)
+            flat /= self.shards
+            at = 0
+            for grad in grads:
+                grad.copy_(flat[at:at + grad.numel()].view_as(grad))
+                at += grad.numel()
+
     # -- records -----------------------------------------------------------------------------------
     def gather_floats(self, rows: list[list[float]]) -> list[list[float]]:
         return all_gather_rows(self.env, rows)
@@ -156,7 +220,8 @@ class PipelineStrategy(OneModuleState, Strategy):
         return state_memory(self.stage_model.parameters(), [self.learner.optimizer])
 
     def full_model(self) -> nn.Module | None:
-        """Replica 0's stages send their parameters to rank 0, which assembles the plain model."""
+        """Replica 0's stages send their parameters to rank 0, which assembles the plain model (a weight
+        tied across stages arrives from each stage that holds it, equal, and is tied again)."""
         release(self.learner)  # called once, after the last checkpoint
         if self.replica != 0:
             return None
@@ -166,10 +231,19 @@ class PipelineStrategy(OneModuleState, Strategy):
             return None
         for stage in range(1, self.stages):
             own.update(receive_state(src=stage, group=self.control))
-        return assemble(self.build_plain, own)
+        return retie(assemble(self.build_plain, own), self.split.aliases)
 
     def report(self) -> dict[str, Any]:
         return {"pipeline": {"stages": self.stages, "microbatches": self.microbatches,
                              "schedule": self.config.pipeline.schedule, "replicas": self.shards,
-                             "split": self.plan.describe(), "stage_params": self.plan.params,
+                             "split": self.split.describe(), "split_points": list(self.plan.starts),
+                             "stage_params": self.split.stage_params,
+                             "tied": [list(tie.names) for tie in self.split.ties],
                              "ideal_bubble": (self.stages - 1) / (self.microbatches + self.stages - 1)}}
+
+
+def _simulated(output: Any, forward_s: float, backward_s: float) -> Any:
+    """A stage's output with the simulated work on it (on its first tensor, when it returns several)."""
+    if isinstance(output, torch.Tensor):
+        return _SimulatedWork.apply(output, forward_s, backward_s)
+    return (_SimulatedWork.apply(output[0], forward_s, backward_s), *output[1:])
