@@ -43,27 +43,32 @@ def lm_metrics(output, targets: torch.Tensor) -> dict[str, float]:
 @declare_task
 def gpt2(layers: int = 4, dim: int = 32, heads: int = 4, seq_len: int = 16, samples: int = 256,
          tie: bool = True) -> Task:
-    from transformers import GPT2Config, GPT2LMHeadModel
+    def build() -> nn.Module:  # transformers is imported by the processes that build the model, only
+        from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(vocab_size=VOCAB, n_positions=seq_len, n_embd=dim, n_layer=layers, n_head=heads,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
-                        tie_word_embeddings=tie, bos_token_id=0, eos_token_id=0)
+        return GPT2LMHeadModel(GPT2Config(
+            vocab_size=VOCAB, n_positions=seq_len, n_embd=dim, n_layer=layers, n_head=heads, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, tie_word_embeddings=tie, bos_token_id=0,
+            eos_token_id=0))
+
     train, held_out = _windows(samples, seq_len)
-    return Task(name="gpt2", build_model=lambda: GPT2LMHeadModel(config), train=train, eval=held_out,
+    return Task(name="gpt2", build_model=build, train=train, eval=held_out,
                 loss_fn=lm_loss, metrics_fn=lm_metrics, info={"vocab": VOCAB, "seq_len": seq_len})
 
 
 @declare_task
 def llama(layers: int = 4, dim: int = 32, heads: int = 4, kv_heads: int = 2, seq_len: int = 16,
           samples: int = 256, tie: bool = False) -> Task:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    def build() -> nn.Module:
+        from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=dim, intermediate_size=2 * dim, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=seq_len,
-                         use_cache=False, tie_word_embeddings=tie, bos_token_id=0, eos_token_id=0,
-                         pad_token_id=None)
+        return LlamaForCausalLM(LlamaConfig(
+            vocab_size=VOCAB, hidden_size=dim, intermediate_size=2 * dim, num_hidden_layers=layers,
+            num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=seq_len,
+            use_cache=False, tie_word_embeddings=tie, bos_token_id=0, eos_token_id=0, pad_token_id=None))
+
     train, held_out = _windows(samples, seq_len)
-    return Task(name="llama", build_model=lambda: LlamaForCausalLM(config), train=train, eval=held_out,
+    return Task(name="llama", build_model=build, train=train, eval=held_out,
                 loss_fn=lm_loss, metrics_fn=lm_metrics, info={"vocab": VOCAB, "seq_len": seq_len})
 
 

@@ -134,7 +134,7 @@ def strategies(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
             if name == "fsdp x tp" and processes < 4:
                 continue
             layout = _layout_options(name, options, processes, args.batch_size)
-            report = _fit(scratch, **job, **layout, steps=8, warmup_steps_for_throughput=3, log_every=8,
+            report = _fit(scratch, **{**job, **layout}, steps=8, warmup_steps_for_throughput=3, log_every=8,
                           async_checkpoint=False)
             predicted = _predicted(job, layout)
             rows[name] = {"options": layout, "measured": report["memory"], "predicted": predicted,

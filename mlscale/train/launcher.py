@@ -136,7 +136,7 @@ def check_job(config: TrainConfig, plan: JobPlan, data: TensorData | ParquetData
         except ImportError:
             raise UsageError("bad value log='tensorboard': needs the tensorboard package (pip install "
                              "'mlscale[tensorboard]')") from None
-    if build_model is not None:
+    if build_model is not None and strategy.checks_model(config):  # (a user's model may import a large library)
         try:
             with torch.device("meta"):  # the structure only: no memory for the weights
                 model = build_model()

@@ -224,6 +224,12 @@ class Strategy(ABC):
         return None
 
     @classmethod
+    def checks_model(cls, config: TrainConfig) -> bool:
+        """Whether ``check_model`` has anything to check for ``config`` (else the model is not built before
+        the workers start: building one can mean importing a large library)."""
+        return cls.check_model.__func__ is not Strategy.check_model.__func__  # type: ignore[attr-defined]
+
+    @classmethod
     def check_model(cls, config: TrainConfig, model: nn.Module, world: int,
                     task_tp_plan: dict[str, str] | None = None) -> None:
         """Refuse a model this strategy cannot split (given on the meta device: structure, no weights;

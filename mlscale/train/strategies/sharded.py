@@ -65,6 +65,10 @@ class FSDPStrategy(ReplicaStrategy):
         return [rank // config.model.tp for rank in range(world)]  # a tensor-parallel group reads one shard
 
     @classmethod
+    def checks_model(cls, config: TrainConfig) -> bool:
+        return config.model.tp > 1
+
+    @classmethod
     def check_model(cls, config: TrainConfig, model: nn.Module, world: int,
                     task_tp_plan: dict[str, str] | None = None) -> None:
         if config.model.tp > 1:
