@@ -34,6 +34,7 @@ from typing import Any
 
 from mlscale.bench.machine import machine_info
 from mlscale.bench.report import pyplot, save_figure, write_results
+from mlscale.errors import UsageError
 
 MICROBATCHES = (1, 2, 4, 8)
 SECTIONS = ("bubble", "memory", "strategies", "checkpointing")
@@ -134,8 +135,13 @@ def strategies(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
             if name == "fsdp x tp" and processes < 4:
                 continue
             layout = _layout_options(name, options, processes, args.batch_size)
-            report = _fit(scratch, **{**job, **layout}, steps=8, warmup_steps_for_throughput=3, log_every=8,
-                          async_checkpoint=False)
+            try:
+                report = _fit(scratch, **{**job, **layout}, steps=8, warmup_steps_for_throughput=3, log_every=8,
+                              async_checkpoint=False)
+            except UsageError as exc:  # a layout this model cannot take (heads the degree does not divide)
+                rows[name] = {"options": layout, "refused": str(exc)}
+                print(f"N={processes} {name}: refused: {exc}", file=sys.stderr, flush=True)
+                continue
             predicted = _predicted(job, layout)
             rows[name] = {"options": layout, "measured": report["memory"], "predicted": predicted,
                           "samples_per_s": report["samples_per_s"], "global_batch": layout["batch_size"] * (
@@ -148,7 +154,8 @@ def strategies(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
                 f" MB; {report['samples_per_s']:.1f} samples/s", file=sys.stderr, flush=True)
         ddp = rows["ddp"]["samples_per_s"]
         for row in rows.values():
-            row["samples_per_s_vs_ddp"] = row["samples_per_s"] / ddp
+            if "samples_per_s" in row:
+                row["samples_per_s_vs_ddp"] = row["samples_per_s"] / ddp
         table[str(processes)] = rows
     return table
 
@@ -297,7 +304,7 @@ def _plot_memory(right: Any, table: dict[str, Any]) -> None:
 
 def _plot_strategies(axis: Any, table: dict[str, Any]) -> None:
     """Rank 0's measured bytes, stacked by kind, on 4 processes; the prediction's total as a marker."""
-    rows = table[max(table, key=int)]
+    rows = {name: row for name, row in table[max(table, key=int)].items() if "measured" in row}
     names = list(rows)
     bottom = [0.0] * len(names)
     for key in MEMORY_KEYS:
