@@ -106,7 +106,12 @@ def _predicted(job: dict[str, Any], layout: dict[str, Any]) -> list[dict[str, An
     """``mlscale plan``'s per-rank prediction for one layout (pipeline: per stage), in report.json's keys."""
     from mlscale.train.memory_plan import plan_memory
 
-    plan = plan_memory({**job, **layout, "strategy": layout["strategy"]})
+    options = {key: value for key, value in {**job, **layout}.items() if key != "tp"}  # it plans every tp itself
+    try:
+        plan = plan_memory(options)
+    except UsageError as exc:
+        print(f"mlscale plan: {exc}", file=sys.stderr, flush=True)
+        return None
     tp, stages = layout.get("tp", 1), layout.get("stages", 1)
     for entry in plan.layouts:
         shape = entry.layout
