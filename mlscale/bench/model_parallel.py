@@ -34,7 +34,7 @@ from typing import Any
 
 from mlscale.bench.machine import machine_info
 from mlscale.bench.report import pyplot, save_figure, write_results
-from mlscale.errors import UsageError
+from mlscale.errors import MlscaleError, UsageError
 
 MICROBATCHES = (1, 2, 4, 8)
 SECTIONS = ("bubble", "memory", "strategies", "checkpointing")
@@ -143,7 +143,7 @@ def strategies(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
             try:
                 report = _fit(scratch, **{**job, **layout}, steps=8, warmup_steps_for_throughput=3, log_every=8,
                               async_checkpoint=False)
-            except UsageError as exc:  # a layout this model cannot take (heads the degree does not divide)
+            except MlscaleError as exc:  # a layout this model cannot take (heads the degree does not divide)
                 rows[name] = {"options": layout, "refused": str(exc)}
                 print(f"N={processes} {name}: refused: {exc}", file=sys.stderr, flush=True)
                 continue

@@ -253,6 +253,7 @@ def split_model(model: nn.Module, plan: StagePlan, sample: torch.Tensor) -> Spli
     if pipe.num_stages != plan.stages:
         raise UsageError(f"bad value split-points={','.join(plan.starts)!r}: the traced model has {pipe.num_stages} "
                          f"stage(s), not {plan.stages} (a split point that runs first, or twice, or never)")
+    _refuse_skip_connections(pipe.split_gm.graph)
     positions = _output_positions(pipe.split_gm.graph, f"submod_pp_{plan.stages - 1}", output_leaves)
     modules = [pipe.get_stage_module(index) for index in range(plan.stages)]
     used = [_used_attributes(module) for module in modules]
@@ -284,6 +285,33 @@ def split_model(model: nn.Module, plan: StagePlan, sample: torch.Tensor) -> Spli
     stage_params = [sum(p.numel() for p in module.parameters()) for module in modules]
     return SplitModel(pipe, plan, ties, [names for names in aliases if len(names) > 1], output_spec, positions,
                       stage_names, stage_params)
+
+
+def _refuse_skip_connections(graph: fx.Graph) -> None:
+    """torch.distributed.pipelining sends a stage's inputs from its neighbour only; a value one stage
+    makes and a later, non-adjacent stage reads (Llama's rotary position embeddings, made before the
+    first block and read by every block) fails in the first backward pass ("Backward of skip connections
+    not supported yet"). Refused here, before any process starts, in one line."""
+    stage_of = {node.name: int(node.target.rsplit("_", 1)[1]) for node in graph.nodes
+                if node.op == "call_module" and str(node.target).startswith("submod_pp_")}
+
+    def producer(value: fx.Node) -> int | None:
+        while value.op == "call_function" and value.args and isinstance(value.args[0], fx.Node):
+            if value.name in stage_of:
+                break
+            value = value.args[0]  # through getitem of a stage's outputs
+        return stage_of.get(value.name)
+
+    for node in graph.nodes:
+        if node.name not in stage_of:
+            continue
+        for value in node.all_input_nodes:
+            made = producer(value)
+            if made is not None and made < stage_of[node.name] - 1:
+                raise UsageError(f"--strategy pipeline: stage {stage_of[node.name]} reads a value stage {made} makes "
+                                 "(a skip connection past a neighbour, such as position embeddings shared by every "
+                                 "block), which torch's pipeline schedules cannot run backward; use fewer --stages "
+                                 "(2 has none) or --strategy fsdp")
 
 
 # torch's tracer explains on stderr what it guards and guesses (logging), prints the partial graph of a
