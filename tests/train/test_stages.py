@@ -132,3 +132,15 @@ def test_a_model_torch_cannot_export_is_refused_in_one_line():
     with pytest.raises(UsageError, match=r"cannot trace this model with torch\.export") as caught:
         split_model(model, plan_stages(model, 2), torch.randn(2, 4))
     assert "\n" not in str(caught.value) and "--strategy fsdp" in str(caught.value)
+
+
+def test_a_value_read_past_the_next_stage_is_refused_and_two_stages_split_it():
+    # Llama's rotary position values are made before the first block and read by every block: with three
+    # stages the third reads what the first made, which torch's schedules cannot run backward.
+    task = make_task("tests.user_models:llama", {"layers": 3})
+    sample = task.example_inputs(2, torch.float32)
+    model = task.build_model()
+    assert split_model(model, plan_stages(model, 2), sample).plan.stages == 2
+    model = task.build_model()
+    with pytest.raises(UsageError, match="stage 2 reads a value stage 0 makes"):
+        split_model(model, plan_stages(model, 3), sample)
