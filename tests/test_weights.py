@@ -16,6 +16,9 @@ from mlscale.weights import TIED_KEY, WeightsError, load_weights, save_weights, 
 from tests.helpers import final_weights, max_abs_diff, run_cli
 from tests.user_models import SmallCNN
 
+# Trained runs of Hugging Face models built by the first test that needs them: minutes on 2 busy cores.
+pytestmark = pytest.mark.timeout(900)
+
 GPT2 = "tests.user_models:gpt2"
 TIE = ["transformer.wte.weight", "lm_head.weight"]
 

@@ -14,6 +14,9 @@ from mlscale.export.session import onnx_session
 from mlscale.registry import Registry, load_torch_model
 from tests.helpers import run_cli, user_models_registry
 
+# Trained runs of Hugging Face models built by the first test that needs them: minutes on 2 busy cores.
+pytestmark = pytest.mark.timeout(900)
+
 
 @pytest.fixture(scope="module")
 def location(tmp_path_factory):

@@ -11,6 +11,9 @@ from mlscale.tasks import make_task
 from mlscale.weights import tied_groups
 from tests.helpers import final_weights, max_abs_diff, run_cli, user_models_registry
 
+# Trained runs of Hugging Face models built by the first test that needs them: minutes on 2 busy cores.
+pytestmark = pytest.mark.timeout(900)
+
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):

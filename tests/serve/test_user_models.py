@@ -14,6 +14,9 @@ from mlscale.registry import Registry, load_torch_model
 from tests.helpers import user_models_registry
 from tests.serve.conftest import running_server
 
+# Trained runs of Hugging Face models built by the first test that needs them: minutes on 2 busy cores.
+pytestmark = pytest.mark.timeout(900)
+
 
 @pytest.fixture(scope="module")
 def location(tmp_path_factory):

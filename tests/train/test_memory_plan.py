@@ -13,6 +13,10 @@ import pytest
 
 from tests.helpers import run_cli
 
+# The module's trained runs are built once, by the first test that needs them: that setup takes minutes
+# on 2 busy cores, more than the suite's 300 s per test (each run still has its own timeout).
+pytestmark = pytest.mark.timeout(900)
+
 TOLERANCE = 0.10
 COMMON = ["--dtype", "float64", "--optimizer", "adam", "--batch-size", "8"]
 TRAIN = [*COMMON, "--steps", "1", "--no-progress", "--no-plot", "--no-async-checkpoint"]

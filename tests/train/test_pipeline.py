@@ -21,6 +21,10 @@ from mlscale.rundir import RunDir
 from mlscale.train.checkpoint import _SafeReader, read_metadata, step_name
 from tests.helpers import final_weights, max_abs_diff, run_cli
 
+# The module's trained runs are built once, by the first test that needs them: that setup takes minutes
+# on 2 busy cores, more than the suite's 300 s per test (each run still has its own timeout).
+pytestmark = pytest.mark.timeout(900)
+
 GPT2 = ["--task", "tests.user_models:gpt2", "--task-opt", "samples=64"]
 LLAMA = ["--task", "tests.user_models:llama", "--task-opt", "samples=64"]
 CNN = ["--task", "tests.user_models:cnn", "--task-opt", "samples=128"]

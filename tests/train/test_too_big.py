@@ -6,9 +6,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from safetensors.torch import load_file
 
 from tests.helpers import run_cli
+
+# Trained runs of Hugging Face models built by the first test that needs them: minutes on 2 busy cores.
+pytestmark = pytest.mark.timeout(900)
 
 
 def report_of(run_dir: Path) -> dict:

@@ -13,6 +13,10 @@ import pytest
 from tests.helpers import final_weights, max_abs_diff, run_cli
 from tests.train.test_resume import stop_at
 
+# The module's trained runs are built once, by the first test that needs them: that setup takes minutes
+# on 2 busy cores, more than the suite's 300 s per test (each run still has its own timeout).
+pytestmark = pytest.mark.timeout(900)
+
 EXACT = 1e-9
 COMMON = ["--dtype", "float64", "--optimizer", "adam", "--lr", "3e-3", "--steps", "4", "--batch-size", "8",
           "--checkpoint-every", "2", "--keep-checkpoints", "3", "--no-progress"]
