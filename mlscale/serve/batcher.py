@@ -37,6 +37,8 @@ from mlscale.serve.runtime import Runtime
 INLINE_BELOW_S = 0.001
 # A batch whose fixed cost is below this is not worth holding requests back for.
 WORTH_WAITING_FOR_S = 200e-6
+# One batch's time counts for at most this many times its prediction, plus the floor (CostModel.observe).
+OUTLIER_FACTOR, OUTLIER_FLOOR_S = 10.0, 20e-6
 ONE_CORE = hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) == 1
 
 
@@ -72,6 +74,13 @@ class CostModel:
     _s: list[float] = field(default_factory=lambda: [0.0] * 5)  # sum w, w*n, w*t, w*n*n, w*n*t
 
     def observe(self, rows: int, seconds: float) -> None:
+        """Counts one batch's time, at most ``OUTLIER_FACTOR`` times its prediction (plus ``OUTLIER_FLOOR_S``):
+        one batch preempted by the OS or stalled by a garbage collection must not teach the model that
+        every batch is slow (a 10 µs model would start holding requests back for batch-mates). A real
+        change of cost still comes through: the fit can grow ~20% a batch (a 500x jump caught up in ~25 batches)."""
+        predicted = self.cost(rows)
+        if predicted is not None:
+            seconds = min(seconds, OUTLIER_FACTOR * predicted + OUTLIER_FLOOR_S)
         self._s = [x * self.decay for x in self._s]
         for i, value in enumerate((1.0, rows, seconds, rows * rows, rows * seconds)):
             self._s[i] += value

@@ -6,7 +6,7 @@ import time
 import numpy as np
 import pytest
 
-from mlscale.serve.batcher import DynamicBatcher, LatencyGuard, Overloaded
+from mlscale.serve.batcher import WORTH_WAITING_FOR_S, CostModel, DynamicBatcher, LatencyGuard, Overloaded
 from mlscale.serve.cache import ResponseCache, cache_key
 from mlscale.serve.metrics import ServerMetrics
 
@@ -320,3 +320,21 @@ def test_a_model_whose_batches_cost_next_to_nothing_never_holds_requests_back():
         return await seconds_for_one_more(batcher)
 
     assert asyncio.run(scenario()) < 0.1
+
+
+def test_one_preempted_batch_does_not_teach_the_cost_model_that_every_batch_is_slow():
+    model = CostModel()
+    for _ in range(100):
+        model.observe(1, 10e-6)
+    model.observe(4, 20e-3)  # the OS took the core away mid-batch
+    model.observe(1, 15e-3)
+    assert model.coefficients()[1] < WORTH_WAITING_FOR_S  # still not worth waiting for batch-mates
+
+
+def test_a_real_change_of_cost_still_reaches_the_cost_model():
+    model = CostModel()
+    for _ in range(100):
+        model.observe(1, 10e-6)
+    for _ in range(120):  # a heavier input: every batch now takes 5 ms (forgetting alone needs ~80)
+        model.observe(1, 5e-3)
+    assert model.cost(1) > 4e-3
