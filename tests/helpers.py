@@ -3,8 +3,10 @@ and built-once folders that stay private to a test when the suite runs in parall
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
+import io
 import os
 import random
 import shutil
@@ -23,11 +25,41 @@ from mlscale.tasks import Task, declare_task, make_task
 REPO = Path(__file__).resolve().parent.parent
 
 
-def run_cli(*args: str, timeout: float = 120, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    """``python -m mlscale ARGS`` as a user runs it; a hang fails the test after ``timeout``."""
+def run_cli(*args: str, timeout: float = 120, cwd: Path | None = None,
+            plot: bool = False) -> subprocess.CompletedProcess[str]:
+    """``python -m mlscale ARGS`` as a user runs it; a hang fails the test after ``timeout``. ``train`` runs
+    draw no plot unless ``plot`` (matplotlib's import and drawing cost ~1.5 s of CPU a run; tests/train/
+    test_plot.py checks the picture)."""
+    if args[:1] == ("train",) and not plot and "--no-plot" not in args:
+        args = (*args, "--no-plot")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run([sys.executable, "-m", "mlscale", *args], capture_output=True, text=True,
                           timeout=timeout, cwd=cwd or REPO, env=env)
+
+
+def refused(*args: str) -> subprocess.CompletedProcess[str]:
+    """``mlscale ARGS``, for a command that must be refused before any process starts, run in this process:
+    the same parsing and checks as ``run_cli`` without a fresh interpreter importing torch (3.5 s of CPU
+    a call, four times that on the suite's busy cores). Should the command get past its checks instead,
+    it is stopped before it prepares a run directory or starts a worker, and the test fails."""
+    from mlscale import cli
+    from mlscale.train import launcher
+
+    def not_refused(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError(f"mlscale {' '.join(args)} was not refused: it went on to prepare the run")
+
+    out, err, environ, prepare = io.StringIO(), io.StringIO(), dict(os.environ), launcher._prepare
+    launcher._prepare = not_refused
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = cli.main(list(args))
+    except SystemExit as exc:  # argparse's own refusals, as ``mlscale`` (cli.run) exits with them
+        code = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        launcher._prepare = prepare
+        os.environ.clear()
+        os.environ.update(environ)
+    return subprocess.CompletedProcess(["mlscale", *args], code, out.getvalue(), err.getvalue())
 
 
 # Ports for the servers a test starts. Not the kernel's pick (bind to port 0): a port released by its

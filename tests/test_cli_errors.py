@@ -8,7 +8,7 @@ import pytest
 from mlscale import TrainConfig, __version__, fit
 from mlscale.cli import main
 from mlscale.registry import Registry, register_run
-from tests.helpers import run_cli
+from tests.helpers import refused, run_cli
 
 
 @pytest.mark.parametrize(("args", "named"), [
@@ -68,7 +68,7 @@ def test_bad_values_exit_2_with_one_line_naming_them(args, named, capsys, tmp_pa
     (["models", "list", "--registry", "/nonexistent/registry"], "no registry at '/nonexistent/registry'"),
 ])
 def test_every_mistake_is_one_line_exit_2_and_no_work(args, named, tmp_path):
-    result = run_cli(*args, *(["--out", str(tmp_path / "out")] if args[0] == "bench" else []))
+    result = refused(*args, *(["--out", str(tmp_path / "out")] if args[0] == "bench" else []))
     assert result.returncode == 2, result.stderr
     assert named in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "Traceback" not in result.stderr and "usage:" not in result.stderr

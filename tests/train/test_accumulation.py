@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.helpers import final_weights, max_abs_diff, run_cli
+from tests.helpers import final_weights, max_abs_diff, refused, run_cli
 
 BASE = ["train", "--task", "digits", "--dtype", "float64", "--workers", "2", "--steps", "6", "--no-progress"]
 
@@ -30,7 +30,7 @@ def test_accumulated_micro_steps_train_like_the_large_batch(strategy, tmp_path):
 
 
 def test_a_pipeline_refuses_gradient_accumulation_with_a_pointer_to_microbatches(tmp_path):
-    result = run_cli("train", "--task", "tinylm", "--strategy", "pipeline", "--workers", "2", "--grad-accum", "2",
+    result = refused("train", "--task", "tinylm", "--strategy", "pipeline", "--workers", "2", "--grad-accum", "2",
                      "--run-dir", str(tmp_path / "run"))
     assert result.returncode == 2 and "not of --strategy pipeline (a pipeline accumulates over its --microbatches" \
         in result.stderr

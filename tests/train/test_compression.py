@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.helpers import run_cli
+from tests.helpers import refused, run_cli
 
 BASE = ["train", "--task", "digits", "--workers", "2", "--steps", "150", "--no-progress"]
 
@@ -43,5 +43,5 @@ def test_powersgd_sends_a_fraction_of_the_bytes_and_trains_within_tolerance(unco
     (["--compress", "powersgd", "--fp16"], "poison PowerSGD's error feedback"),
 ])
 def test_compression_it_cannot_do_right_is_refused_before_any_process_starts(flags, message, tmp_path):
-    result = run_cli("train", "--task", "digits", "--workers", "2", *flags, "--run-dir", str(tmp_path / "run"))
+    result = refused("train", "--task", "digits", "--workers", "2", *flags, "--run-dir", str(tmp_path / "run"))
     assert result.returncode == 2 and message in result.stderr, result.stderr

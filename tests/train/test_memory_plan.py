@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import run_cli
+from tests.helpers import refused, run_cli
 
 # The module's trained runs are built once, by the first test that needs them: that setup takes minutes
 # on 2 busy cores, more than the suite's 300 s per test (each run still has its own timeout).
@@ -128,7 +128,7 @@ def test_the_table_says_what_fits(tmp_path: Path):
     (["--task", "tinylm", "--task-opt", "dimm=3"], "dimm"),
 ])
 def test_a_bad_plan_is_one_line_and_exit_2(args, names):
-    result = run_cli("plan", *args)
+    result = refused("plan", *args)
     assert result.returncode == 2, result.stderr
     assert names in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
 

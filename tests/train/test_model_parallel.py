@@ -1,6 +1,6 @@
 """Model parallelism on real processes (gloo): pipeline stages, FSDP2 sharding and tensor parallelism
 train exactly what the unsplit model trains (float64), hold the measured share of the memory, resume
-and recover from their sharded checkpoints, and fit where one process does not."""
+and recover from their sharded checkpoints. (Models larger than one process: test_too_big.py.)"""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from mlscale.tasks import make_task
-from tests.helpers import final_weights, max_abs_diff, run_cli
+from tests.helpers import final_weights, max_abs_diff, refused, run_cli
 from tests.train.test_resume import stop_at
 
 TASK = ["--task", "tinylm", "--task-opt", "dim=32", "--task-opt", "layers=4", "--task-opt", "heads=4",
@@ -192,27 +192,6 @@ def test_a_killed_rank_is_recovered_bitwise(strategy, rank, tmp_path, fsdp_run, 
     assert all(torch.equal(recovered[k], expected[k]) for k in expected), "the recovered run ended elsewhere"
 
 
-# -- too big for one process ----------------------------------------------------------------------------
-BIG = ["--task", "tinylm", "--task-opt", "dim=512", "--task-opt", "layers=8", "--task-opt", "samples=64",
-       "--batch-size", "4", "--optimizer", "adam", "--lr", "1e-3", "--steps", "2", "--no-progress",
-       "--no-async-checkpoint", "--memory-limit-mb", "390"]
-
-
-def test_a_model_too_big_for_one_process_fails_there_and_trains_sharded_or_split(tmp_path):
-    # 25M parameters: 100 MB of weights, 400 MB with gradients and Adam's two moments.
-    alone = run_cli("train", *BIG, "--run-dir", str(tmp_path / "one"), timeout=180)
-    assert alone.returncode == 1
-    assert "ran out of its 390 MB (--memory-limit-mb)" in alone.stderr and "--strategy fsdp" in alone.stderr
-    assert "Traceback" not in alone.stderr
-    for strategy in ("fsdp", "pipeline"):
-        run_dir = tmp_path / strategy
-        split = ["--microbatches", "2"] if strategy == "pipeline" else []  # an option of the pipeline's alone
-        result = run_cli("train", *BIG, "--strategy", strategy, "--workers", "2", *split,
-                         "--run-dir", str(run_dir), timeout=180)
-        assert result.returncode == 0, result.stderr
-        assert all(m["state_mb"] < 220 for m in report_of(run_dir)["memory"])
-
-
 @pytest.mark.parametrize(("flags", "message"), [
     (["--strategy", "pipeline", "--workers", "3"], "multiple of --stages 2"),
     (["--strategy", "pipeline", "--workers", "2", "--task-opt", "layers=1"], "only 1 block(s) to split"),
@@ -225,7 +204,7 @@ def test_a_model_too_big_for_one_process_fails_there_and_trains_sharded_or_split
     (["--strategy", "pipeline", "--workers", "2", "--microbatches", "1"], "1f1b needs at least one microbatch"),
 ])
 def test_a_pipeline_layout_that_cannot_work_is_refused_before_any_process_starts(flags, message, tmp_path):
-    result = run_cli("train", *TASK, *flags, "--run-dir", str(tmp_path / "run"))
+    result = refused("train", *TASK, *flags, "--run-dir", str(tmp_path / "run"))
     assert result.returncode == 2 and message in result.stderr, result.stderr
 
 

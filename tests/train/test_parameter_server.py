@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import final_weights, max_abs_diff, run_cli
+from tests.helpers import final_weights, max_abs_diff, refused, run_cli
 
 STEPS, BATCH = 24, 16
 
@@ -137,7 +137,7 @@ def test_a_killed_parameter_server_rank_is_recovered_from_the_checkpoint(killed,
     (["--sync", "sometimes"], "sync"),
 ])
 def test_parameter_server_options_it_cannot_honour_are_one_line_and_exit_2(args, message, tmp_path):
-    result = run_cli("train", "--strategy", "ps", "--workers", "2", "--steps", "2", "--run-dir",
+    result = refused("train", "--strategy", "ps", "--workers", "2", "--steps", "2", "--run-dir",
                      str(tmp_path / "run"), *args)
     assert result.returncode == 2, result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr

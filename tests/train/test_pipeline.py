@@ -19,7 +19,7 @@ from torch import nn
 from mlscale import Task, TensorData, declare_task
 from mlscale.rundir import RunDir
 from mlscale.train.checkpoint import _SafeReader, read_metadata, step_name
-from tests.helpers import final_weights, max_abs_diff, run_cli
+from tests.helpers import final_weights, max_abs_diff, refused, run_cli
 
 # The module's trained runs are built once, by the first test that needs them: that setup takes minutes
 # on 2 busy cores, more than the suite's 300 s per test (each run still has its own timeout).
@@ -221,6 +221,6 @@ def no_blocks() -> Task:
     (["--task", "tests.train.test_pipeline:no_blocks", *PIPELINE, "--workers", "2"], "found no repeated blocks"),
 ])
 def test_what_cannot_be_split_is_refused_in_one_line_before_any_process_starts(flags, message, tmp_path):
-    result = run_cli("train", *flags, "--run-dir", str(tmp_path / "run"), "--no-progress", timeout=120)
+    result = refused("train", *flags, "--run-dir", str(tmp_path / "run"), "--no-progress")
     assert result.returncode == 2 and message in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "run" / "logs").exists()

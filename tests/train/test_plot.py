@@ -7,7 +7,7 @@ from tests.helpers import run_cli
 
 def test_train_draws_training_png_into_the_run_directory_and_prints_the_report_as_json(tmp_path):
     run_dir = tmp_path / "run"
-    result = run_cli("train", "--task", "digits", "--steps", "30", "--run-dir", str(run_dir), "--json")
+    result = run_cli("train", "--task", "digits", "--steps", "30", "--run-dir", str(run_dir), "--json", plot=True)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     png = run_dir / "plots" / "training.png"

@@ -9,7 +9,7 @@ import torch
 
 from mlscale import TrainConfig, fit
 from mlscale.tasks import make_task
-from tests.helpers import final_weights, run_cli
+from tests.helpers import final_weights, refused, run_cli
 
 LR, CLIP = 0.1, 1e-3
 
@@ -58,7 +58,7 @@ def test_held_out_metrics_during_the_run_in_metrics_and_on_the_console(tmp_path)
 
 
 def test_options_a_strategy_cannot_apply_are_refused(tmp_path):
-    result = run_cli("train", "--task", "tinylm", "--strategy", "pipeline", "--workers", "2", "--clip-grad-norm", "1",
+    result = refused("train", "--task", "tinylm", "--strategy", "pipeline", "--workers", "2", "--clip-grad-norm", "1",
                      "--run-dir", str(tmp_path / "run"))
     assert result.returncode == 2 and "an option of --strategy ddp or fsdp" in result.stderr
 
