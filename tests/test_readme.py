@@ -5,6 +5,7 @@ shell, in a fresh folder, with the installed ``mlscale`` on the PATH."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -60,3 +61,8 @@ def test_every_marked_readme_block_runs_as_written(tmp_path):
     assert re.search(r"digit \d\n", out)  # the class taken from the scores
     assert "mlscale: worker rank 1 was killed at step 120" in result.stderr
     assert (tmp_path / "runs/cnn/report.json").exists() and (tmp_path / "runs/py/report.json").exists()
+    for layout in ("ddp x4", "fsdp 4", "fsdp 2 x tp 2", "pipeline 2"):  # mlscale plan: the user's Llama
+        assert f"\n{layout} " in out, layout
+    llama = json.loads((tmp_path / "runs/llama-fsdp-tp/report.json").read_text())
+    assert llama["world_size"] == 4 and llama["workers"] == 2  # 2 data shards x 2 tensor-parallel ranks
+    assert (tmp_path / "runs/llama-pipeline/report.json").exists()

@@ -6,6 +6,7 @@ only says how the plain model is wrapped, and the wrapper does the communication
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 from typing import Any, ClassVar
 
@@ -120,6 +121,20 @@ class ReplicaStrategy(OneModuleState, Strategy):
             return self.plain if self.env.is_main else None
         # Sharded parameters: gathered whole onto rank 0's CPU (a collective), into a plain model.
         release(self.learner)  # called once, after the last checkpoint
-        full: dict[str, Any] = get_model_state_dict(
-            self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        with _quiet_redistribution():
+            full: dict[str, Any] = get_model_state_dict(
+                self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return assemble(self.build_plain, full) if self.env.is_main else None
+
+
+@contextlib.contextmanager
+def _quiet_redistribution():
+    """DTensor warns on every rank that gathering a fsdp x tp parameter (sharded on both mesh dimensions)
+    takes two all-gathers instead of one: true, and of no consequence for the one gather of the weights."""
+    logger = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)

@@ -18,6 +18,7 @@ Both build the model on the meta device and materialise only what a rank holds
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any
 
 import torch
@@ -85,6 +86,8 @@ class FSDPStrategy(ReplicaStrategy):
         self.tp_plan = self.announce(tp_plan(model, self.declared_tp_plan))
         check_tp_divides(model, self.tp_plan, tp)
         apply_tp(model, mesh["tp"], self.tp_plan)
+        if not self.env.is_main:  # the same on every rank (a gathered output is a view): rank 0 says it
+            warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
         return apply_fsdp(model, mesh["dp"], offload=self.offload)
 
     @property
