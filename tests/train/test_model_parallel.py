@@ -109,27 +109,14 @@ def test_pipeline_stages_compute_the_gradients_and_loss_of_the_unsplit_model(tmp
             assert diff <= EXACT, f"{schedule}: gradient of {name} differs by {diff:.2e}"
 
 
-# -- whole runs through the trainer -------------------------------------------------------------------------
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_a_two_stage_pipeline_trains_like_one_worker_with_the_same_batch(schedule, runs, pipeline_run):
-    if schedule == "1f1b":
-        run_dir, result = pipeline_run
-    else:
-        run_dir = runs / "gpipe"
-        result = train(run_dir, "--strategy", "pipeline", "--workers", "2", "--batch-size", "8", "--schedule",
-                       "gpipe")
+# -- whole runs through the trainer (GPipe's step is the test above; data-parallel pipelines: test_pipeline.py) --
+def test_a_two_stage_pipeline_trains_like_one_worker_with_the_same_batch(runs, pipeline_run):
+    run_dir, result = pipeline_run
     assert "stage 0: tok_embeddings, pos_embeddings, layers.0-1" in result.stderr  # the split, shown at start
     assert max_abs_diff(final_weights(run_dir), final_weights(runs / "one")) <= EXACT
     report = report_of(run_dir)
-    assert report["pipeline"]["stages"] == 2 and report["pipeline"]["schedule"] == schedule
+    assert report["pipeline"]["stages"] == 2 and report["pipeline"]["schedule"] == "1f1b"
     assert report["workers"] == 1 and report["world_size"] == 2  # one replica of two processes
-
-
-def test_pipeline_with_data_parallel_replicas_trains_like_ddp(runs):
-    run_dir = runs / "pipeline-dp"
-    train(run_dir, "--strategy", "pipeline", "--stages", "2", "--workers", "4", "--batch-size", "8")
-    assert max_abs_diff(final_weights(run_dir), final_weights(runs / "ddp")) <= EXACT
-    assert report_of(run_dir)["workers"] == 2
 
 
 @pytest.fixture(scope="module")
