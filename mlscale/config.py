@@ -85,6 +85,13 @@ class OptimOptions(Options):
         None, "clip the gradients' global L2 norm to X before each update (after unscaling under fp16)", gt=0,
         metavar="X", only={"strategy": ("ddp", "fsdp")},
         why="the others hold the gradients on several ranks without their global norm")
+    optimizer_in_backward: bool = option(
+        False, "fsdp: update each parameter's shard inside the backward pass, as soon as its gradient is reduced, "
+        "and free that gradient at once: a block's gradients at a time instead of the whole model's (FSDP2's "
+        "post-accumulate-grad hooks, torchtune's optimizer-in-backward). The same update as after the backward "
+        "pass; not with --clip-grad-norm (it needs every gradient first), --grad-accum or fp16",
+        only={"strategy": ("fsdp",)},
+        why="ddp all-reduces the gradients after their hooks, tp and pipeline are not built for it")
 
 
 class DataOptions(Options):

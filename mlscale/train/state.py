@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     _init_optim_state,
+    get_model_state_dict,
     get_optimizer_state_dict,
     get_state_dict,
     set_state_dict,
@@ -35,7 +36,14 @@ def module_state(model: nn.Module, learner: Learner, *, for_load: bool = False,
     optimizer has none, and DCP fills only the tensors it is given)."""
     if for_load:
         _init_optim_state(learner.optimizer)  # what DCP's own set_state_dict does before loading
-    model_state, optimizer_state = get_state_dict(model, learner.optimizer)
+    if not for_load and not learner.optimizer.state:
+        # A stateless optimizer (SGD without momentum) has nothing to save but its hyperparameters; DCP's
+        # get_state_dict would first give every parameter a zero gradient and step on it (_init_optim_state):
+        # a transient copy of the weights, too much for a model sharded to fit (--optimizer-in-backward).
+        model_state = get_model_state_dict(model)
+        optimizer_state = {"state": {}, "param_groups": learner.optimizer.param_groups}
+    else:
+        model_state, optimizer_state = get_state_dict(model, learner.optimizer)
     tensors = {MODEL + name: value for name, value in model_state.items() if only is None or name in only}
     extra: dict[str, dict[str, Any]] = {}
     for name, values in optimizer_state["state"].items():

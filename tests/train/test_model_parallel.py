@@ -146,6 +146,13 @@ def test_fsdp_trains_like_ddp_on_half_the_memory_per_rank(runs, fsdp_run):
             assert 0.45 <= mine[key] / theirs[key] <= 0.6, f"{key}: {mine[key]:.3f} vs ddp's {theirs[key]:.3f} MB"
 
 
+def test_fsdp_updating_inside_the_backward_pass_trains_like_ddp_and_keeps_no_gradients(runs):
+    # Adam, float64: each shard stepped as soon as its gradient is reduced is the same update.
+    train(runs / "in-backward", "--strategy", "fsdp", "--workers", "2", "--batch-size", "8", "--optimizer-in-backward")
+    assert max_abs_diff(final_weights(runs / "in-backward"), final_weights(runs / "ddp")) <= EXACT
+    assert all(rank["grads_mb"] == 0 for rank in report_of(runs / "in-backward")["memory"])
+
+
 # -- sharded checkpoints ----------------------------------------------------------------------------------
 def test_a_checkpoint_holds_one_file_per_rank_and_the_unsplit_models_names(fsdp_run):
     checkpoint = fsdp_run / "checkpoints" / "step_00000008"
@@ -189,6 +196,9 @@ def test_a_killed_rank_is_recovered_bitwise(strategy, rank, tmp_path, fsdp_run, 
     (["--strategy", "pipeline", "--workers", "2", "--fault", "inf_grad:rank=0:step=2"], "runs its backward passes"),
     (["--strategy", "pipeline", "--workers", "2", "--batch-size", "6"], "microbatches=4: must divide --batch-size 6"),
     (["--strategy", "pipeline", "--workers", "2", "--microbatches", "1"], "1f1b needs at least one microbatch"),
+    (["--strategy", "fsdp", "--workers", "2", "--optimizer-in-backward", "--clip-grad-norm", "1"],
+     "--clip-grad-norm needs every gradient's norm before any update"),
+    (["--strategy", "ddp", "--workers", "2", "--optimizer-in-backward"], "optimizer-in-backward"),
 ])
 def test_a_pipeline_layout_that_cannot_work_is_refused_before_any_process_starts(flags, message, tmp_path):
     result = refused("train", *TASK, *flags, "--run-dir", str(tmp_path / "run"))

@@ -31,6 +31,7 @@ from mlscale.errors import UsageError
 from mlscale.train.parallelize import apply_fsdp, apply_tp, check_tp_divides, tp_plan, unshardable
 from mlscale.train.plan import MeshDims
 from mlscale.train.strategies.replica import ReplicaStrategy
+from mlscale.train.strategy import Batch, StepResult
 
 
 class FSDPStrategy(ReplicaStrategy):
@@ -40,6 +41,7 @@ class FSDPStrategy(ReplicaStrategy):
     name = "fsdp"
     splits_model = True
     scalars: list[nn.Parameter] | None = None  # the parameters FSDP2 leaves whole (scalars), once known
+    updating_in_backward = False  # --optimizer-in-backward: the hooks are registered
 
     @classmethod
     def check(cls, config: TrainConfig, world: int) -> None:
@@ -53,6 +55,8 @@ class FSDPStrategy(ReplicaStrategy):
         if config.model.offload == "cpu" and config.compute.device == "cpu":
             raise UsageError("bad value offload='cpu': it moves a GPU's training state to host memory; this job runs "
                              "on the CPU already (--device cpu)")
+        if config.optim.optimizer_in_backward:
+            _check_in_backward(config)
         if tp > 1 and config.compute.precision == "fp16":
             raise UsageError("bad value precision='fp16': the loss scaler cannot unscale the mix of split (DTensor) "
                              "and replicated gradients that --tp makes; use bf16 or fp32")
@@ -100,19 +104,69 @@ class FSDPStrategy(ReplicaStrategy):
             self.module.set_requires_gradient_sync(sync)  # FSDP2: no reduce-scatter until the last micro-step
         return contextlib.nullcontext()
 
+    def whole_scalars(self) -> list[nn.Parameter]:
+        """The scalar parameters FSDP2 leaves whole (``unshardable``), in the same order on every rank. Found
+        after set-up: materialising the meta-device model made new parameters."""
+        if self.scalars is None:
+            whole = unshardable(self.module) if self.env.distributed else set()
+            self.scalars = [param for param in self.module.parameters() if param in whole]
+        return self.scalars
+
+    def step(self, batch: Batch | None) -> StepResult:
+        if self.config.optim.optimizer_in_backward and not self.updating_in_backward:
+            self.update_in_backward()
+        return super().step(batch)
+
+    def update_in_backward(self) -> None:
+        """--optimizer-in-backward: a hook on every sharded parameter steps the optimizer as soon as FSDP2
+        has reduce-scattered its gradient (FSDP2 calls post-accumulate-grad hooks there), then frees the
+        gradient; the block's reduce-scatter buffer goes with its last gradient. Registered at the first
+        step, on the parameters the optimizer holds (materialising made them). The scalars FSDP2 leaves
+        whole keep the usual path: averaged after the backward pass (``reduce_gradients``), stepped by
+        ``Learner.apply``, which then finds no other gradient to apply."""
+        whole = set(self.whole_scalars())
+        for param in self.module.parameters():
+            if param not in whole and param.requires_grad:
+                param.register_post_accumulate_grad_hook(self._update_one)
+        self.updating_in_backward = True
+
+    def _update_one(self, param: torch.Tensor) -> None:
+        # The optimizer steps every parameter that has a gradient: at this moment only this one, once the
+        # scalars' (local, not yet averaged) gradients are set aside. Elementwise rules (SGD, Adam) make
+        # this the update of the whole step; the schedule still moves once a step, in Learner.apply.
+        held = [(scalar, scalar.grad) for scalar in self.whole_scalars() if scalar.grad is not None]
+        for scalar, _ in held:
+            scalar.grad = None
+        self.learner.optimizer.step()
+        param.grad = None
+        for scalar, grad in held:
+            scalar.grad = grad
+
     def reduce_gradients(self) -> bool:
         """The scalar parameters FSDP2 leaves whole (``unshardable``): their gradients averaged over the data
         shards here, as FSDP2 averages the others."""
-        if self.scalars is None:  # found after set-up: materialising the meta-device model made new parameters
-            whole = unshardable(self.module) if self.env.distributed else set()
-            self.scalars = [param for param in self.module.parameters() if param in whole]  # the same order everywhere
-        grads = [param.grad for param in self.scalars if param.grad is not None]
+        grads = [param.grad for param in self.whole_scalars() if param.grad is not None]
         if grads:
             flat = torch.stack(grads)
             dist.all_reduce(flat, group=self.dp_group)
             for grad, total in zip(grads, flat / dist.get_world_size(self.dp_group)):
                 grad.copy_(total)
         return True
+
+
+def _check_in_backward(config: TrainConfig) -> None:
+    """What --optimizer-in-backward cannot do: each update needs the whole step's gradient of its own
+    parameter, and nothing else, at the moment FSDP2 hands it over."""
+    refusals = [
+        (config.optim.clip_grad_norm is not None, "--clip-grad-norm needs every gradient's norm before any update"),
+        (config.grad_accum > 1, "--grad-accum would update on the first micro-step's gradient"),
+        (config.compute.precision == "fp16", "fp16's loss scaler checks every gradient for inf before the update"),
+        (config.model.tp > 1, "with --tp it is not built (the replicated parameters' gradients are not checked)"),
+        (config.per_step, "per-step fault tolerance averages the gradients across groups after the backward pass"),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise UsageError(f"bad value optimizer_in_backward=True: {why}")
 
 
 class TensorParallelStrategy(ReplicaStrategy):
