@@ -14,8 +14,9 @@ begin instead.
 microbatch of example inputs, with a ``SplitPoint.BEGINNING`` at every stage start, and cuts the graph
 there: what runs before the first split (embeddings, masks, rotary tables) is stage 0's, what runs after
 the last (final norm, head, the output's structure) the last stage's. Any model torch can export splits,
-whatever its Python structure; activations that skip stages (a mask made by stage 0 and used by every
-block) are sent straight to the stages that use them.
+whatever its Python structure. A value that skips stages (rotary tables or a mask made by stage 0 and
+read by every block) is handed on by each stage in between (``_pass_skip_connections_through``): torch's
+schedules receive a stage's inputs from its neighbour only.
 
 *What the traced stages are fixed up for* (``split_model``), so that checkpoints of a pipeline and of the
 unsplit model are interchangeable:
@@ -253,6 +254,7 @@ def split_model(model: nn.Module, plan: StagePlan, sample: torch.Tensor) -> Spli
     if pipe.num_stages != plan.stages:
         raise UsageError(f"bad value split-points={','.join(plan.starts)!r}: the traced model has {pipe.num_stages} "
                          f"stage(s), not {plan.stages} (a split point that runs first, or twice, or never)")
+    _pass_skip_connections_through(pipe.split_gm)
     _refuse_skip_connections(pipe.split_gm.graph)
     positions = _output_positions(pipe.split_gm.graph, f"submod_pp_{plan.stages - 1}", output_leaves)
     modules = [pipe.get_stage_module(index) for index in range(plan.stages)]
@@ -285,6 +287,81 @@ def split_model(model: nn.Module, plan: StagePlan, sample: torch.Tensor) -> Spli
     stage_params = [sum(p.numel() for p in module.parameters()) for module in modules]
     return SplitModel(pipe, plan, ties, [names for names in aliases if len(names) > 1], output_spec, positions,
                       stage_names, stage_params)
+
+
+def _pass_skip_connections_through(split_gm: fx.GraphModule) -> None:
+    """torch.distributed.pipelining sends a stage's inputs from its neighbour only: a value one stage makes
+    and a later, non-adjacent stage reads (Llama's rotary position embeddings, made before the first block
+    and read by every block) fails in the first backward pass ("Backward of skip connections not supported
+    yet"). So every stage in between hands the value on: it takes it as an input (or reuses the input it
+    already has, when it reads the value too) and returns it as one more output, which the next stage
+    reads instead. Its gradient comes back the same way, summed with the stage's own use of it."""
+    graph = split_gm.graph
+    stages = [node for node in graph.nodes if node.op == "call_module" and str(node.target).startswith("submod_pp_")]
+    index = {node: position for position, node in enumerate(stages)}
+    handed_by: dict[tuple[fx.Node, fx.Node], fx.Node] = {}  # (value, stage in between): what that stage returns
+    for consumer in stages:
+        for value in list(consumer.all_input_nodes):
+            made = _stage_making(value, index)
+            if made is None or made >= index[consumer] - 1:
+                continue
+            example = _placeholders(split_gm, consumer)[consumer.args.index(value)].meta.get("val")
+            if not isinstance(example, torch.Tensor):
+                continue  # left to _refuse_skip_connections
+            handed = value
+            for between in stages[made + 1:index[consumer]]:
+                if (value, between) not in handed_by:
+                    handed_by[value, between] = _hand_on(split_gm, between, handed, example)
+                handed = handed_by[value, between]
+            consumer.replace_input_with(value, handed)
+    graph.lint()
+    split_gm.recompile()
+
+
+def _stage_making(value: fx.Node, index: dict[fx.Node, int]) -> int | None:
+    while value not in index and value.op == "call_function" and value.target is operator.getitem:
+        value = value.args[0]  # a getitem of a stage's outputs
+    return index.get(value)
+
+
+def _placeholders(split_gm: fx.GraphModule, stage: fx.Node) -> list[fx.Node]:
+    return [node for node in getattr(split_gm, str(stage.target)).graph.nodes if node.op == "placeholder"]
+
+
+def _hand_on(split_gm: fx.GraphModule, stage: fx.Node, value: fx.Node, example: torch.Tensor) -> fx.Node:
+    """Make ``stage`` return ``value`` as its last output; the node in the outer graph that reads it."""
+    module: fx.GraphModule = getattr(split_gm, str(stage.target))
+    inner = module.graph
+    placeholders = _placeholders(split_gm, stage)
+    if value in stage.args:  # the stage reads it already: hand on the input it has
+        passed = placeholders[stage.args.index(value)]
+    else:
+        with inner.inserting_after(placeholders[-1]):
+            passed = inner.placeholder(f"handed_on_{value.name}")
+        passed.meta["val"] = example
+        stage.args = (*stage.args, value)
+    output = next(node for node in inner.nodes if node.op == "output")
+    returned = output.args[0]
+    outer = split_gm.graph
+    if isinstance(returned, (tuple, list)):
+        position = len(returned)
+        output.args = ((*returned, passed),)
+    else:  # one output, read directly by the next stage: it becomes output 0 of two
+        position = 1
+        output.args = ((returned, passed),)
+        readers = list(stage.users)
+        with outer.inserting_after(stage):
+            first = outer.call_function(operator.getitem, (stage, 0))
+        first.meta.update(stage.meta)
+        for reader in readers:
+            reader.replace_input_with(stage, first)
+    module.recompile()
+    last_getitem = max((user for user in stage.users if user.target is operator.getitem),
+                       key=lambda user: user.args[1], default=stage)
+    with outer.inserting_after(last_getitem):
+        handed = outer.call_function(operator.getitem, (stage, position))
+    handed.meta["val"] = example
+    return handed
 
 
 def _refuse_skip_connections(graph: fx.Graph) -> None:

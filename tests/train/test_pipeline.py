@@ -1,8 +1,8 @@
 """Pipelines of models nobody here wrote, on real processes (gloo, float64): Hugging Face GPT-2 (its head
-tied to its embedding, a ModelOutput), Llama (split where the user says) and a CNN (a dict output,
-buffers, a parameter outside its blocks) train exactly what the unsplit model trains, with GPipe and
-1F1B and with data-parallel replicas; their checkpoints resume under ddp and back; what cannot be
-split is refused in one line before any process starts."""
+tied to its embedding, a ModelOutput), Llama (in 3 stages split where the user says, its rotary values
+handed on past a stage) and a CNN (a dict output, buffers, a parameter outside its blocks) train exactly
+what the unsplit model trains, with GPipe and 1F1B and with data-parallel replicas; their checkpoints
+resume under ddp and back; what cannot be split is refused in one line before any process starts."""
 
 from __future__ import annotations
 
@@ -76,11 +76,12 @@ def gpt2_runs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llama_runs(tmp_path_factory):
-    """Llama: one worker, and a GPipe pipeline split after its first block (--split-points)."""
+    """Llama: one worker, and a 3-stage GPipe pipeline split where the user says (--split-points); its
+    rotary values, made before the first block, reach the third stage through the second."""
     root = tmp_path_factory.mktemp("pipeline-llama")
     train(root / "one", *LLAMA)
-    stderr = train(root / "pipeline", *LLAMA, *PIPELINE, "--workers", "2", "--schedule", "gpipe",
-                   "--split-points", "model.layers.1")
+    stderr = train(root / "pipeline", *LLAMA, *PIPELINE, "--stages", "3", "--workers", "3", "--schedule", "gpipe",
+                   "--split-points", "model.layers.1,model.layers.3")
     return root, stderr
 
 
@@ -116,9 +117,10 @@ def test_gpt2_in_two_stages_times_two_replicas_trains_like_ddp_on_two_workers(tm
 def test_llama_split_where_the_user_says_trains_like_one_worker(llama_runs):
     root, stderr = llama_runs
     assert "stage 0: model.embed_tokens, model.layers.0, model.rotary_emb" in stderr  # the rotary table runs first
+    assert "stage 1: model.layers.1-2 (" in stderr and "stage 2: model.layers.3, model.norm, lm_head (" in stderr
     assert max_abs_diff(final_weights(root / "pipeline"), final_weights(root / "one")) <= EXACT
     report = json.loads((root / "pipeline" / "report.json").read_text())["pipeline"]
-    assert report["split_points"] == ["model.layers.1"] and report["schedule"] == "gpipe"
+    assert report["split_points"] == ["model.layers.1", "model.layers.3"] and report["schedule"] == "gpipe"
 
 
 def test_a_cnn_with_a_dict_output_buffers_and_a_free_parameter_trains_in_three_stages_like_one_worker(cnn_runs):
