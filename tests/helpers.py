@@ -54,7 +54,7 @@ def refused(*args: str) -> subprocess.CompletedProcess[str]:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             code = cli.main(list(args))
     except SystemExit as exc:  # argparse's own refusals, as ``mlscale`` (cli.run) exits with them
-        code = exc.code if isinstance(exc.code, int) else 1
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     finally:
         launcher._prepare = prepare
         os.environ.clear()

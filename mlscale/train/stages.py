@@ -301,13 +301,8 @@ def _pass_skip_connections_through(split_gm: fx.GraphModule) -> None:
     index = {node: position for position, node in enumerate(stages)}
     handed_by: dict[tuple[fx.Node, fx.Node], fx.Node] = {}  # (value, stage in between): what that stage returns
     for consumer in stages:
-        for value in list(consumer.all_input_nodes):
-            made = _stage_making(value, index)
-            if made is None or made >= index[consumer] - 1:
-                continue
-            example = _placeholders(split_gm, consumer)[consumer.args.index(value)].meta.get("val")
-            if not isinstance(example, torch.Tensor):
-                continue  # left to _refuse_skip_connections
+        while (skip := _first_skip(split_gm, consumer, index)) is not None:
+            value, made, example = skip
             handed = value
             for between in stages[made + 1:index[consumer]]:
                 if (value, between) not in handed_by:
@@ -316,6 +311,21 @@ def _pass_skip_connections_through(split_gm: fx.GraphModule) -> None:
             consumer.replace_input_with(value, handed)
     graph.lint()
     split_gm.recompile()
+
+
+def _first_skip(split_gm: fx.GraphModule, consumer: fx.Node,
+                index: dict[fx.Node, int]) -> tuple[fx.Node, int, torch.Tensor] | None:
+    """An input of ``consumer`` made two or more stages before it (looked up afresh: handing one value on
+    can turn a stage's single output into a getitem the consumer reads instead); its making stage and its
+    traced example. A value that is no tensor is left to ``_refuse_skip_connections``."""
+    for position, value in enumerate(consumer.args):
+        made = _stage_making(value, index) if isinstance(value, fx.Node) else None
+        if made is None or made >= index[consumer] - 1:
+            continue
+        example = _placeholders(split_gm, consumer)[position].meta.get("val")
+        if isinstance(example, torch.Tensor):
+            return value, made, example
+    return None
 
 
 def _stage_making(value: fx.Node, index: dict[fx.Node, int]) -> int | None:
