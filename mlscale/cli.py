@@ -119,6 +119,13 @@ def _redacted(exc: BaseException) -> str:
     return redact_text(str(exc))
 
 
+def report_error(exc: MlscaleError) -> int:
+    """An error of mlscale's printed in one line (every URL in it without its password); its exit code."""
+    prefix = "mlscale: error: " if isinstance(exc, UsageError) else "mlscale: "
+    print(f"{prefix}{_redacted(exc)}", file=sys.stderr)
+    return exc.exit_code
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse and run one command; returns its exit code (never exits the process)."""
     args_list = sys.argv[1:] if argv is None else list(argv)
@@ -142,12 +149,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"(see {prog} --help)\n")
     try:
         return args.handler(args)
-    except UsageError as exc:  # every URL in a message is printed without its password
-        print(f"mlscale: error: {_redacted(exc)}", file=sys.stderr)
-        return exc.exit_code
     except MlscaleError as exc:
-        print(f"mlscale: {_redacted(exc)}", file=sys.stderr)
-        return exc.exit_code
+        return report_error(exc)
     except KeyboardInterrupt:
         print("mlscale: interrupted", file=sys.stderr)
         return 130

@@ -31,9 +31,20 @@ def _field_help(name: str) -> str:
     return f"{field.description or name.replace('_', ' ')} (default {default})"
 
 
+def _workers(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of workers (or auto)") from None
+
+
 def _argument(annotation: Any) -> dict[str, Any]:
     """argparse's ``type`` or ``choices`` for a field's annotation: int, float, str or a Literal, or one
-    of them | None (None is the flag left out)."""
+    of them | None (None is the flag left out); a number or ``auto`` for ``--workers``."""
+    if annotation == (int | typing.Literal["auto"]):
+        return {"type": _workers, "metavar": "N|auto"}
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         (annotation,) = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
     if typing.get_origin(annotation) is typing.Literal:
@@ -84,6 +95,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
     values = {name: getattr(args, name) for name in ServeOptions.model_fields}
     # a store URL with a password comes from the environment (a Kubernetes Secret), never the command line
     values["online_store"] = values["online_store"] or os.environ.get(ONLINE_STORE_ENV) or None
+    values["otlp_endpoint"] = values["otlp_endpoint"] or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None
     options = serve_options(**values)
     if args.no_grpc:
         options = options.model_copy(update={"grpc_port": None})
@@ -93,5 +105,4 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
 def _serve(args: argparse.Namespace) -> int:
     from mlscale.serve import serve
 
-    serve(args.uris, options=options_from_args(args), registry_location=args.registry)
-    return 0
+    return serve(args.uris, options=options_from_args(args), registry_location=args.registry)

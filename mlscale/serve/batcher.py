@@ -155,10 +155,14 @@ class LatencyGuard:
 
 class DynamicBatcher:
     def __init__(self, runtime: Runtime, *, stats: ModelStats, max_batch_size: int, max_delay_s: float,
-                 queue_limit: int, slo_s: float | None, timeout_s: float, inline: bool = True) -> None:
+                 queue_limit: int, slo_s: float | None, timeout_s: float, inline: bool = True,
+                 instances: int = 1) -> None:
         """``inline=False``: every batch runs on the execution thread, never on the event loop, so the
-        loop can always answer a liveness probe while a model call runs (``--exec-timeout-s``)."""
-        self.runtime, self.stats = runtime, stats
+        loop can always answer a liveness probe while a model call runs (``--exec-timeout-s``).
+        ``instances``: batches run at once, each on a thread of its own calling the one runtime (its
+        weights shared: onnxruntime sessions and torch modules in inference mode may be called from
+        several threads); while they run, the next batch forms from what arrives."""
+        self.runtime, self.stats, self.instances = runtime, stats, instances
         self.max_batch_size, self.max_delay_s = max_batch_size, max_delay_s
         self.queue_limit, self.slo_s, self.timeout_s = queue_limit, slo_s, timeout_s
         self.inline = inline
@@ -172,12 +176,20 @@ class DynamicBatcher:
         self._queued_rows = 0
         self._arrived = asyncio.Event()
         self._busy_until: float | None = None
-        self.call_started: float | None = None  # perf_counter when the model call now running began
+        self._calls: dict[int, float] = {}  # perf_counter when each model call now running began
+        self._call_ids = 0
         self._last_done = float("-inf")
         self._concurrent = False  # the last batch held several requests or left some queued
         self._closing = False
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="infer")
+        self._executor = ThreadPoolExecutor(max_workers=instances, thread_name_prefix="infer")
+        self._free = asyncio.Semaphore(instances)  # instances not running a batch
+        self._running: set[asyncio.Task[None]] = set()
         self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    @property
+    def call_started(self) -> float | None:
+        """perf_counter when the oldest model call now running began (None: none runs)."""
+        return min(self._calls.values(), default=None)
 
     # -- admission -----------------------------------------------------------------------------
     def batch_target(self) -> int:
@@ -197,7 +209,7 @@ class DynamicBatcher:
         cost = self.cost_model.cost(target)
         if cost is None:
             return None
-        batches_ahead = math.ceil((self._queued_rows + rows) / target)
+        batches_ahead = math.ceil((self._queued_rows + rows) / target / self.instances)
         running = max(0.0, (self._busy_until or 0.0) - time.perf_counter())
         return running + batches_ahead * cost
 
@@ -228,6 +240,8 @@ class DynamicBatcher:
     # -- the loop ------------------------------------------------------------------------------
     async def _loop(self) -> None:
         while not (self._closing and not self._queue):
+            if self.instances > 1:
+                await self._free.acquire()  # an instance to run the batch about to form
             if not self._queue:
                 self._arrived.clear()
                 await self._arrived.wait()
@@ -239,9 +253,22 @@ class DynamicBatcher:
             else:
                 await self._gather_more()
             batch = self._take_batch()
-            if batch:
-                await self._execute(batch)
+            if self.instances == 1:
+                if batch:
+                    await self._execute(batch)
+            elif batch:  # runs beside the others; its instance is free again when it is done
+                task = asyncio.get_running_loop().create_task(self._execute(batch))
+                self._running.add(task)
+                task.add_done_callback(self._finished)
+            else:
+                self._free.release()
+        if self._running:
+            await asyncio.wait(set(self._running))
         self._executor.shutdown(wait=False)
+
+    def _finished(self, task: asyncio.Task[None]) -> None:
+        self._running.discard(task)
+        self._free.release()
 
     def _busy_recently(self) -> bool:
         """Is the model under concurrent load: did a batch of several requests (or one that left others
@@ -294,17 +321,19 @@ class DynamicBatcher:
         start = time.perf_counter()
         predicted = self.cost_model.cost(len(array))
         self._busy_until = start + (predicted or 0.0)
-        self.call_started = start
-        self.stats.executing.set(1)
+        call = self._call_ids = self._call_ids + 1
+        self._calls[call] = start
+        self.stats.executing.set(len(self._calls))
         try:
-            if self.inline and ((ONE_CORE and self.slo_s is None) or (predicted is not None
-                                                                       and predicted < INLINE_BELOW_S)):
+            if self.inline and self.instances == 1 and ((ONE_CORE and self.slo_s is None) or (
+                    predicted is not None and predicted < INLINE_BELOW_S)):
                 output = self.runtime.run(array)
             else:
                 output = await loop.run_in_executor(self._executor, self.runtime.run, array)
         finally:
-            self._busy_until = self.call_started = None
-            self.stats.executing.set(0)
+            del self._calls[call]
+            self._busy_until = None
+            self.stats.executing.set(len(self._calls))
             self._last_done = time.perf_counter()
             self._concurrent = self._concurrent or bool(self._queue)
         elapsed = self.last_elapsed = time.perf_counter() - start

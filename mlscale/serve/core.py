@@ -64,15 +64,34 @@ class ServerState:
         self.exec_timeout_s, self.read_timeout_s = exec_timeout_s, read_timeout_s
         self.bodies = metrics.body_bytes = BodyBudget(max_inflight_bytes or 32 * max_body_bytes)
         self.not_live: str | None = None  # why liveness fails; once set it stays: a restart is the cure
-        self.ready = False
+        self.peers: Any = None  # a worker of several (workers.Peers): readiness and metrics are shared
+        self._ready = False
         self.draining = False  # set by the first SIGTERM: never ready again
         self.tasks: list[asyncio.Task[None]] = []
         self.grpc_address: str | None = None  # where the gRPC service listens, once the models are loaded
         self.grpc_max_calls: int | None = None  # calls in flight before new ones get RESOURCE_EXHAUSTED
+        self.grpc_shared_port = False  # several workers bind the gRPC port (SO_REUSEPORT)
         self.start_grpc: GrpcStarter | None = None  # the gRPC service's start_grpc, set by server.py
         self.grpc_server: Any = None
         self._grpc_stop: tuple[float, asyncio.Future[None]] | None = None  # (grace, the stop under way)
         self.loop_lag_s = 0.0  # how late the event loop runs what is ready: the server's own backlog
+
+    @property
+    def ready(self) -> bool:
+        """Ready to serve: this process is, and so is every other worker of the server."""
+        return self._ready and (self.peers is None or self.peers.all_ready())
+
+    @ready.setter
+    def ready(self, value: bool) -> None:
+        self._ready = value
+        if self.peers is not None:
+            self.peers.set_ready(value)
+
+    async def publish_metrics(self, period_s: float) -> None:
+        """A worker's metrics, published for the others to merge into the whole server's."""
+        while True:
+            self.peers.publish(self.metrics.snapshot())
+            await asyncio.sleep(period_s)
 
     async def start(self) -> None:
         """Start-up, in the server's event loop: watchers, models loaded (then followed), the gRPC
@@ -81,6 +100,10 @@ class ServerState:
         self.tasks.append(loop.create_task(self.watch_loop_lag()))
         if self.exec_timeout_s is not None:
             self.tasks.append(loop.create_task(self.watch_exec()))
+        if self.peers is not None:
+            from mlscale.serve.workers import PUBLISH_S
+
+            self.tasks.append(loop.create_task(self.publish_metrics(PUBLISH_S)))
         for slot in self.slots:
             await slot.load()
             if slot.follows:
@@ -88,7 +111,7 @@ class ServerState:
         if self.grpc_address is not None:
             assert self.start_grpc is not None, "a gRPC address without the service's start"
             self.grpc_server = await self.start_grpc(self, self.grpc_address, self.max_body_bytes,
-                                                     max_calls=self.grpc_max_calls)
+                                                     max_calls=self.grpc_max_calls, shared=self.grpc_shared_port)
         gc.collect()
         gc.freeze()  # what start-up loaded lives as long as the server: keep it out of every collection
         self.ready = not self.draining
@@ -104,6 +127,8 @@ class ServerState:
         for slot in self.slots:
             if slot.current is not None:
                 await slot.current.close()
+        if self.peers is not None:
+            self.peers.publish(self.metrics.snapshot())  # the last word: what it answered while draining
 
     def stop_grpc(self, grace_s: float) -> asyncio.Future[None]:
         """Stop the gRPC service: refuse new calls now, let calls in flight finish for ``grace_s``

@@ -16,6 +16,7 @@ from mlscale.serve.runtimes import RUNTIMES
 
 if TYPE_CHECKING:
     from mlscale.serve.core import ServerState
+    from mlscale.serve.metrics import ModelStats
     from mlscale.serve.models import ServedModel
     from mlscale.serve.runtime import TensorSpec
 
@@ -63,12 +64,13 @@ def _duration(count: float, seconds: float) -> dict[str, int]:
     return {"count": int(count), "ns": int(seconds * 1e9)}
 
 
-def model_statistics(served: ServedModel) -> dict[str, Any]:
+def model_statistics(served: ServedModel, stats: ModelStats) -> dict[str, Any]:
     """Counts and cumulative nanoseconds, from the server's metrics. ``fail`` has no duration (failures
     are counted, not timed); there is no separate input/output copy step (``compute_input`` and
     ``compute_output`` are zero); ``compute_infer`` counts requests, each with the duration of the
-    batch it ran in, as Triton does (``execution_count`` counts the batches)."""
-    stats = served.stats
+    batch it ran in, as Triton does (``execution_count`` counts the batches). ``stats``: the version's
+    series for the whole server (every worker's); ``routed`` (mlscale's own) the requests by model
+    name the traffic split sent it, with its ``role`` (primary, canary or shadow)."""
     failed = sum(counter.value for counter in stats.failures.values())
     return {
         "name": served.name, "version": str(served.number), "last_inference": stats.last_inference_ms,
@@ -84,6 +86,7 @@ def model_statistics(served: ServedModel) -> dict[str, Any]:
             "cache_miss": _duration(stats.cache["miss"].value, 0.0),
         },
         "batch_stats": [],
+        "parameters": {"role": stats.role, "routed": int(stats.routed.value), "share_percent": stats.share.value},
     }
 
 
@@ -95,7 +98,9 @@ def statistics(state: ServerState, name: str | None = None, version: str | None 
         served = [s.current for s in state.slots if s.current is not None and (not name or s.current.name == name)]
         if name and not served:
             state.lookup(name)  # the 404
-    return {"model_stats": [model_statistics(model) for model in served]}
+    models = state.metrics.view().models
+    return {"model_stats": [model_statistics(model, models.get((model.name, str(model.number)), model.stats))
+                            for model in served]}
 
 
 def repository_index(state: ServerState, ready_only: bool = False) -> list[dict[str, Any]]:

@@ -108,7 +108,8 @@ class InferenceService:
     async def ModelStatistics(self, request: pb.ModelStatisticsRequest,
                               context: Any) -> pb.ModelStatisticsResponse:
         statistics = describe.statistics(self.state, request.name or None, request.version or None)
-        return json_format.ParseDict(statistics, pb.ModelStatisticsResponse())
+        # the traffic split's own fields (``parameters``) have no place in the protocol's message
+        return json_format.ParseDict(statistics, pb.ModelStatisticsResponse(), ignore_unknown_fields=True)
 
     async def RepositoryIndex(self, request: pb.RepositoryIndexRequest, context: Any) -> pb.RepositoryIndexResponse:
         index = describe.repository_index(self.state, request.ready)
@@ -168,17 +169,18 @@ def service_handler(state: ServerState) -> grpc.GenericRpcHandler:
 
 
 async def start_grpc(state: ServerState, address: str, max_message_bytes: int,
-                     max_calls: int | None = None) -> grpc.aio.Server:
+                     max_calls: int | None = None, shared: bool = False) -> grpc.aio.Server:
     """The gRPC server, listening on ``address`` in the running event loop. A call's handler runs (and
     takes an admission slot) only once its whole message has arrived; what unfinished calls may hold is
-    bounded by the message size, the calls in flight (``max_calls``) and the streams per connection."""
+    bounded by the message size, the calls in flight (``max_calls``) and the streams per connection.
+    ``shared``: the port is shared with the server's other workers (SO_REUSEPORT), else never shared."""
     server = grpc.aio.server(
         maximum_concurrent_rpcs=max_calls,
         options=[("grpc.max_receive_message_length", min(max_message_bytes, 2**31 - 1)),
                  ("grpc.max_send_message_length", -1),
                  ("grpc.max_concurrent_streams", 64),  # per connection
                  ("grpc.max_connection_idle_ms", 5 * 60 * 1000),  # an idle connection goes after 5 minutes
-                 ("grpc.so_reuseport", 0)])  # never share the port with another server
+                 ("grpc.so_reuseport", 1 if shared else 0)])
     server.add_generic_rpc_handlers((service_handler(state),))
     try:
         server.add_insecure_port(address)

@@ -94,11 +94,20 @@ GAUGES = [
 ]
 
 
+# A version's series by kind, by attribute name: what a worker's snapshot carries (``ModelStats.snapshot``)
+COUNTER_FIELDS = ("success", "inferences", "executions", "compute_requests", "compute_request_seconds",
+                  "feature_log_failures", "routed", "shadow_sent", "shadow_skipped", "shadow_compared",
+                  "shadow_agreed", "shadow_abs_diff", "shadow_failed")
+HISTOGRAM_FIELDS = ("duration", "queue", "compute", "batch_size", "shadow_latency", "shadow_primary_latency")
+GAUGE_FIELDS = ("queue_depth", "batch_target", "admission_limit", "loaded", "executing", "share")
+
+
 class ModelStats:
     """One model version's series (``ServerMetrics.stats_for`` hands out one per version)."""
 
     def __init__(self, model: str, version: str) -> None:
         self.labels = [model, version]
+        self.role = "primary"  # how requests reach it: primary, canary (a share of them) or shadow (copies)
         self.success, self.inferences, self.executions = Counter(), Counter(), Counter()
         self.cache = {"hit": Counter(), "miss": Counter(), "coalesced": Counter()}
         self.duration, self.queue, self.compute = (Histogram(LATENCY_BUCKETS) for _ in range(3))
@@ -110,24 +119,67 @@ class ModelStats:
         # per request, as Triton counts compute: each request of a batch, with its batch's duration
         self.compute_requests, self.compute_request_seconds = Counter(), Counter()
         self.feature_skew: Any = None  # a model served from features: its FeatureSkew
+        self.skew_rows: list[dict[str, Any]] = []  # in a MetricsView: the skew report of a worker's snapshot
         self.feature_log_failures = Counter()
+        self.routed = Counter()  # requests sent to this version by name, by the traffic split
+        self.share = Gauge()  # the percentage of requests by name the split asks for (canary and primary)
+        # a shadow version: copies sent, skipped (its queue full), compared with the served answer, agreed
+        # (same class, or equal within tolerance), the sum of mean absolute differences, failed calls
+        self.shadow_sent, self.shadow_skipped, self.shadow_compared = Counter(), Counter(), Counter()
+        self.shadow_agreed, self.shadow_abs_diff, self.shadow_failed = Counter(), Counter(), Counter()
+        self.shadow_latency, self.shadow_primary_latency = Histogram(LATENCY_BUCKETS), Histogram(LATENCY_BUCKETS)
 
-    def failure(self, reason: str) -> None:
+    def snapshot(self) -> dict[str, Any]:
+        """Every series as plain JSON values: what a worker publishes for the others to merge."""
+        return {"labels": self.labels, "role": self.role,
+                "counters": {name: getattr(self, name).value for name in COUNTER_FIELDS},
+                "cache": {how: counter.value for how, counter in self.cache.items()},
+                "failures": {reason: counter.value for reason, counter in self.failures.items()},
+                "histograms": {name: [getattr(self, name).counts, getattr(self, name).sum]
+                               for name in HISTOGRAM_FIELDS},
+                "gauges": {name: getattr(self, name).value for name in GAUGE_FIELDS},
+                "last_inference_ms": self.last_inference_ms,
+                "skew": self.feature_skew.report() if self.feature_skew is not None else []}
+
+    def absorb(self, snapshot: dict[str, Any], gauges: bool = True) -> None:
+        """Add a worker's counters and histograms to these (a whole-server view); its gauges are added
+        too unless ``gauges`` is False (a worker that is gone holds nothing now)."""
+        for name, value in snapshot["counters"].items():
+            getattr(self, name).inc(value)
+        for how, value in snapshot["cache"].items():
+            self.cache[how].inc(value)
+        for reason, value in snapshot["failures"].items():
+            self.failure(reason, value)
+        for name, (counts, total) in snapshot["histograms"].items():
+            histogram = getattr(self, name)
+            histogram.counts = [a + b for a, b in zip(histogram.counts, counts)]
+            histogram.sum += total
+        if gauges:
+            for name, value in snapshot["gauges"].items():
+                gauge = getattr(self, name)
+                gauge.set(max(gauge.value, value) if name in ("loaded", "share") else gauge.value + value)
+            self.role = snapshot["role"]
+        self.last_inference_ms = max(self.last_inference_ms, snapshot["last_inference_ms"])
+
+    def failure(self, reason: str, count: float = 1.0) -> None:
         counter = self.failures.get(reason)
         if counter is None:
             counter = self.failures[reason] = Counter()
-        counter.inc()
+        counter.inc(count)
 
 
 class ServerMetrics:
+    """One process's series. ``/metrics`` and the statistics calls read a ``MetricsView``: this
+    process's series, merged, in a server of several workers, with what every other worker published
+    (``peers``, see ``mlscale.serve.workers``)."""
+
     def __init__(self, cache: ResponseCache | None = None) -> None:
         self.models: dict[tuple[str, str], ModelStats] = {}
         self.cache = cache  # read at scrape time: the bytes it really holds, never a stale copy
         # requests refused before any model was chosen: a body too slow to arrive, or past the body budget
         self.refused = {"read_timeout": Counter(), "body_budget": Counter(), "connections": Counter()}
         self.body_bytes: Any = None  # the server's BodyBudget: request-body bytes held now
-        self.registry = CollectorRegistry()
-        self.registry.register(self)  # type: ignore[arg-type]  # a collector is anything with collect()
+        self.peers: Any = None  # a server of several workers: their published snapshots (workers.Peers)
 
     def stats_for(self, model: str, version: str) -> ModelStats:
         """The series of one version; a version loaded again later (an alias moved back) continues them."""
@@ -136,8 +188,73 @@ class ServerMetrics:
             stats = self.models[(model, version)] = ModelStats(model, version)
         return stats
 
+    def snapshot(self) -> dict[str, Any]:
+        """This process's series as plain JSON values."""
+        cache = self.cache
+        return {"models": [stats.snapshot() for stats in self.models.values()],
+                "refused": {reason: counter.value for reason, counter in self.refused.items()},
+                "body_bytes": self.body_bytes.held if self.body_bytes is not None else 0,
+                "cache": None if cache is None else [cache.bytes, cache.max_bytes, len(cache)]}
+
+    def view(self) -> MetricsView:
+        """The whole server's series: this process's, with every other worker's when there are several."""
+        if self.peers is None:
+            return MetricsView.merge([(None, self.snapshot(), True)])
+        return MetricsView.merge(self.peers.snapshots(self.snapshot()), self.peers.extra())
+
+    def render(self) -> bytes:
+        registry = CollectorRegistry()
+        registry.register(self.view())  # type: ignore[arg-type]  # a collector is anything with collect()
+        return generate_latest(registry)
+
+
+class MetricsView:
+    """The series of a whole server, merged from its workers' snapshots: counters and histograms summed
+    (those of a worker that died included: a counter never goes back), gauges per live worker (with a
+    ``worker`` label when there are several)."""
+
+    def __init__(self) -> None:
+        self.models: dict[tuple[str, str], ModelStats] = {}
+        self.per_worker: list[tuple[str | None, ModelStats]] = []
+        self.refused: dict[str, float] = {}
+        self.body_bytes = 0.0
+        self.cache: list[float] | None = None
+        self.extra: list[Metric] = []
+
+    @classmethod
+    def merge(cls, snapshots: list[tuple[str | None, dict[str, Any], bool]],
+              extra: list[Metric] | None = None) -> MetricsView:
+        """``snapshots``: (worker label, snapshot, live); ``extra``: families of the server as a whole."""
+        view = cls()
+        view.extra = extra or []
+        for worker, snapshot, live in snapshots:
+            for model in snapshot["models"]:
+                labels = tuple(model["labels"])
+                total = view.models.get(labels)
+                if total is None:
+                    total = view.models[labels] = ModelStats(*labels)
+                total.absorb(model, gauges=live)
+                if live:
+                    own = ModelStats(*labels)
+                    own.absorb(model)
+                    own.skew_rows = model["skew"]
+                    view.per_worker.append((worker, own))
+            for reason, value in snapshot["refused"].items():
+                view.refused[reason] = view.refused.get(reason, 0.0) + value
+            if live:
+                view.body_bytes += snapshot["body_bytes"]
+                if snapshot["cache"] is not None:
+                    view.cache = [a + b for a, b in zip(view.cache or [0, 0, 0], snapshot["cache"])]
+        return view
+
     def collect(self) -> Iterator[Metric]:
         models = list(self.models.values())
+        several = any(worker is not None for worker, _ in self.per_worker)
+        gauge_labels = [*LABELS, "worker"] if several else LABELS
+
+        def per_worker(worker: str | None, stats: ModelStats) -> list[str]:
+            return [*stats.labels, worker] if several else stats.labels  # type: ignore[list-item]
+
         for series, name, doc in COUNTERS:
             family = CounterMetricFamily(name, doc, labels=LABELS)
             for stats in models:
@@ -156,32 +273,76 @@ class ServerMetrics:
                 family.add_metric(stats.labels, histogram.buckets(), histogram.sum)
             yield family
         for series, name, doc in GAUGES:
-            family = GaugeMetricFamily(name, doc, labels=LABELS)
-            for stats in models:
-                family.add_metric(stats.labels, series(stats).value)
+            family = GaugeMetricFamily(name, doc, labels=gauge_labels)
+            for worker, stats in self.per_worker:
+                family.add_metric(per_worker(worker, stats), series(stats).value)
             yield family
+        yield from _rollout_families(models)
         skew = GaugeMetricFamily("mlscale_feature_skew", "Distance of the served feature values from the training "
                                  "distribution (Jensen-Shannon, numeric; L-infinity, categorical)",
-                                 labels=[*LABELS, "feature"])
-        for stats in models:
-            for row in stats.feature_skew.report() if stats.feature_skew is not None else ():
-                skew.add_metric([*stats.labels, row["feature"]], row["distance"])
+                                 labels=[*gauge_labels, "feature"])
+        for worker, stats in self.per_worker:
+            for row in stats.skew_rows:
+                skew.add_metric([*per_worker(worker, stats), row["feature"]], row["distance"])
         yield skew
         refused = CounterMetricFamily("mlscale_http_request_refused", "HTTP requests refused before their body "
                                       "was read whole (read_timeout: 408; body_budget: 503) and connections "
                                       "refused past --max-connections (connections: 503)", labels=["reason"])
-        for reason, counter in self.refused.items():
-            refused.add_metric([reason], counter.value)
+        for reason, value in self.refused.items():
+            refused.add_metric([reason], value)
         yield refused
-        if self.body_bytes is not None:
-            yield GaugeMetricFamily("mlscale_request_body_bytes", "Request-body bytes held now (bounded by "
-                                    "--max-inflight-mb)", value=self.body_bytes.held)
+        yield GaugeMetricFamily("mlscale_request_body_bytes", "Request-body bytes held now (bounded by "
+                                "--max-inflight-mb)", value=self.body_bytes)
         if self.cache is not None:
+            held, bound, entries = self.cache
             yield GaugeMetricFamily("mlscale_cache_bytes", "Bytes held by the response cache (values, keys and "
-                                    "per-entry overhead)", value=self.cache.bytes)
+                                    "per-entry overhead)", value=held)
             yield GaugeMetricFamily("mlscale_cache_max_bytes", "The response cache's bound (--cache-mb)",
-                                    value=self.cache.max_bytes)
-            yield GaugeMetricFamily("mlscale_cache_entries", "Entries in the response cache", value=len(self.cache))
+                                    value=bound)
+            yield GaugeMetricFamily("mlscale_cache_entries", "Entries in the response cache", value=entries)
+        yield from self.extra
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+
+def _rollout_families(models: list[ModelStats]) -> Iterator[Metric]:
+    """The traffic split and the shadow's comparison, per version (labelled with its role)."""
+    labels = [*LABELS, "role"]
+    routed = CounterMetricFamily("mlscale_route_count", "Requests by model name routed to this version by the "
+                                 "traffic split (--canary)", labels=labels)
+    share = GaugeMetricFamily("mlscale_route_share_percent", "The share of requests by model name the split "
+                              "asks for this version", labels=labels)
+    for stats in models:
+        if stats.role != "shadow":
+            routed.add_metric([*stats.labels, stats.role], stats.routed.value)
+            share.add_metric([*stats.labels, stats.role], stats.share.value)
+    yield routed
+    yield share
+    shadows = [stats for stats in models if stats.role == "shadow" or stats.shadow_sent.value]
+    for field, name, doc in SHADOW_COUNTERS:
+        family = CounterMetricFamily(name, doc, labels=LABELS)
+        for stats in shadows:
+            family.add_metric(stats.labels, getattr(stats, field).value)
+        yield family
+    for field, name, doc in SHADOW_HISTOGRAMS:
+        family = HistogramMetricFamily(name, doc, labels=LABELS)
+        for stats in shadows:
+            histogram = getattr(stats, field)
+            family.add_metric(stats.labels, histogram.buckets(), histogram.sum)
+        yield family
+
+
+SHADOW_COUNTERS = [
+    ("shadow_sent", "mlscale_shadow_request_count", "Requests copied to this shadow version"),
+    ("shadow_skipped", "mlscale_shadow_skipped_count", "Copies dropped because the shadow's queue was full "
+     "(the served path never waits for the shadow)"),
+    ("shadow_failed", "mlscale_shadow_failure_count", "Copies the shadow version failed to answer"),
+    ("shadow_compared", "mlscale_shadow_compared_count", "Shadow answers compared with the served answers"),
+    ("shadow_agreed", "mlscale_shadow_agreed_count", "Shadow answers that agree with the served ones (same class "
+     "for class scores, else equal within 1e-3 relative)"),
+    ("shadow_abs_diff", "mlscale_shadow_abs_diff_sum", "Sum over compared answers of the mean absolute difference "
+     "between the shadow's and the served output"),
+]
+SHADOW_HISTOGRAMS = [
+    ("shadow_latency", "mlscale_shadow_duration_seconds", "Shadow version's time per copied request"),
+    ("shadow_primary_latency", "mlscale_shadow_served_duration_seconds", "The served version's time for the "
+     "same requests (the shadow's latency is compared with it)"),
+]

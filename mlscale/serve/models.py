@@ -54,7 +54,7 @@ class ServedModel:
                                       queue_limit=options.queue_limit,
                                       slo_s=options.slo_ms / 1e3 if options.slo_ms else None,
                                       timeout_s=options.timeout_ms / 1e3,
-                                      inline=options.exec_timeout_s is None)
+                                      inline=options.exec_timeout_s is None, instances=options.instances)
         self.stats.loaded.set(1)
         self.features = None  # a model trained from features: what turns entity keys into its input
         if version.config.get("task") == "features":

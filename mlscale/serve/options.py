@@ -38,6 +38,26 @@ class ServeOptions(BaseModel):
         "as-trained", description="the datatype the model computes in and its inputs and outputs have: as "
         "trained, or FP16 / BF16 (weights cast at load; the torch runtime)")
     threads: int = Field(1, ge=1, description="threads per model execution")
+    workers: int | Literal["auto"] = Field(1, description="server processes sharing the HTTP and gRPC ports, "
+                                           "each with its own copy of the models and batchers; auto: the cores "
+                                           "this process may use (CPU affinity and cgroup quota)")
+    instances: int = Field(1, ge=1, description="model executions a worker runs in parallel on its one copy "
+                           "of the weights (as Triton's instance groups); pays where a runtime releases the GIL "
+                           "and cores or a GPU are left over")
+    canary: str | None = Field(None, description="URI=PERCENT: a second version of the first model that takes "
+                               "this share of its requests by name (sticky per --route-header or entity key); "
+                               "the share follows the registry tag mlscale.canary_percent (mlscale models canary)")
+    shadow: str | None = Field(None, description="URI[=PERCENT]: a version that also answers a copy of every "
+                               "request (or of this share) off the response path, compared with the served "
+                               "answer, never returned")
+    shadow_queue: int = Field(16, ge=1, description="copies the shadow may hold queued; past it copies are "
+                              "dropped (counted), so the served path never waits for the shadow")
+    route_header: str = Field("x-route-key", description="request header whose value picks the version in a "
+                              "traffic split (the same value, the same version); without it, entity keys, else "
+                              "an even split")
+    otlp_endpoint: str | None = Field(None, description="OpenTelemetry collector (OTLP/HTTP, e.g. "
+                                      "http://127.0.0.1:4318) to export request traces to; default "
+                                      "$OTEL_EXPORTER_OTLP_ENDPOINT; needs mlscale[tracing]")
     cache_mb: float = Field(64.0, ge=0, description="response cache size; 0 turns it off")
     reload_interval_s: float = Field(2.0, gt=0, description="how often aliases and stages are checked")
     max_body_mb: float = Field(8.0, gt=0, description="larger request bodies get 413")
@@ -67,7 +87,18 @@ class ServeOptions(BaseModel):
         if self.max_inflight_mb < self.max_body_mb:
             raise ValueError(f"max-inflight-mb {self.max_inflight_mb:g} is below max-body-mb {self.max_body_mb:g}: "
                              "no body of the largest size could ever be read")
+        if isinstance(self.workers, int) and self.workers < 1:
+            raise ValueError(f"workers {self.workers} must be at least 1 (or auto)")
+        for name in ("canary", "shadow"):
+            value = getattr(self, name)
+            if value is not None:
+                split_share(value, name, required=name == "canary")
         return self
+
+    @property
+    def worker_count(self) -> int:
+        """``workers`` as a number (``auto``: the cores this process may use)."""
+        return usable_cores() if self.workers == "auto" else self.workers
 
     @property
     def max_body_bytes(self) -> int:
@@ -87,6 +118,47 @@ class ServeOptions(BaseModel):
 
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
         return max(64, min(2048, (soft if soft != resource.RLIM_INFINITY else 4096) - 128))
+
+
+def split_share(value: str, name: str, required: bool) -> tuple[str, float]:
+    """``URI=PERCENT`` (``URI`` alone when not ``required``: 100) as (URI, percent in [0, 100])."""
+    uri, sep, percent = value.rpartition("=")
+    if not sep:
+        if required:
+            raise ValueError(f"{name} {value!r} must be URI=PERCENT, e.g. models:/digits@challenger=10")
+        return value, 100.0
+    try:
+        share = float(percent)
+    except ValueError:
+        raise ValueError(f"{name} {value!r}: {percent!r} is not a percentage") from None
+    if not 0 <= share <= 100:
+        raise ValueError(f"{name} {value!r}: the share must be between 0 and 100")
+    return uri, share
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity, bounded by a cgroup v2 (or v1) CPU quota,
+    as a container's limit sets it."""
+    import math
+    import os
+    from pathlib import Path
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    quota = None
+    try:
+        limit, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if limit != "max":
+            quota = int(limit) / int(period)
+    except (OSError, ValueError):
+        try:
+            limit = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").read_text())
+            if limit > 0:
+                quota = limit / int(Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read_text())
+        except (OSError, ValueError):
+            pass
+    if quota is not None:
+        cores = min(cores, max(1, math.ceil(quota)))
+    return max(1, cores)
 
 
 def serve_options(**values: Any) -> ServeOptions:

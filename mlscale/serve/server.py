@@ -71,9 +71,19 @@ async def _start_grpc(state: ServerState, *args: Any, **kwargs: Any) -> Any:
     return await start_grpc(state, *args, **kwargs)
 
 
+def model_uris(uris: list[str], options: ServeOptions) -> list[str]:
+    """Every version the server loads: the URIs served, then the canary's and the shadow's."""
+    from mlscale.serve.options import split_share
+
+    extra = [split_share(value, name, required=name == "canary")[0]
+             for name, value in (("canary", options.canary), ("shadow", options.shadow)) if value is not None]
+    return [*uris, *extra]
+
+
 def build_state(uris: list[str], options: ServeOptions, registry: Registry) -> ServerState:
-    """Every URI resolved and its runtime loaded (artifacts read and hashed) once, before listening."""
-    cache = ResponseCache(int(options.cache_mb * 1024 * 1024))
+    """Every URI resolved and its runtime loaded (artifacts read and hashed) once, before listening.
+    The response cache's bound is the whole server's: each of several workers has its share."""
+    cache = ResponseCache(int(options.cache_mb * 1024 * 1024 / options.worker_count))
     metrics = ServerMetrics(cache)
     slots = []
     for uri in uris:  # fail fast: unknown models, missing ONNX artifacts, undeclared tasks
@@ -101,20 +111,36 @@ def bind(host: str, port: int, flag: str = "--port") -> socket.socket:
 
 
 def serve(uris: list[str], *, options: ServeOptions | None = None, registry_location: str | None = None,
-          log_level: str = "warning") -> None:
+          log_level: str = "warning") -> int:
+    """Serve until a signal; the exit code. Several workers (``options.workers``): see ``workers.py``."""
     options = options or ServeOptions()
+    logging.basicConfig(level=logging.WARNING, format="mlscale serve: %(message)s")
+    if options.worker_count > 1:
+        from mlscale.serve.workers import supervise
+
+        return supervise(uris, options, registry_location)
     sock = bind(options.host, options.port)
+    run_server(uris, options, registry_location, sock, log_level=log_level, announce=True)
+    return 0
+
+
+def run_server(uris: list[str], options: ServeOptions, registry_location: str | None, sock: socket.socket, *,
+               peers: Any = None, log_level: str = "warning", announce: bool = False) -> None:
+    """One server process on ``sock`` (bound; listening already when it is a worker's, inherited)."""
     try:
-        if options.grpc_port is not None:  # grpc binds its own socket later: only check that it can
+        if options.grpc_port is not None and peers is None:  # grpc binds its own socket later: check it can
             bind(options.host, options.grpc_port, flag="--grpc-port").close()
         state = build_state(uris, options, Registry(registry_location, create=False))
     except BaseException:
         sock.close()
         raise
+    if peers is not None:
+        state.peers = state.metrics.peers = peers
     if options.grpc_port is not None:
         host = f"[{options.host}]" if ":" in options.host else options.host
         state.grpc_address = f"{host}:{options.grpc_port}"
         state.grpc_max_calls = options.connection_limit
+        state.grpc_shared_port = peers is not None  # every worker binds it, SO_REUSEPORT
         state.start_grpc = _start_grpc  # with the models, in the server's event loop (ServerState.start)
     logging.basicConfig(level=logging.WARNING, format="mlscale serve: %(message)s")
     # No proxy-header rewriting (nothing here reads the client address) and no Server/Date headers:
@@ -126,8 +152,9 @@ def serve(uris: list[str], *, options: ServeOptions | None = None, registry_loca
     config = uvicorn.Config(build_app(state), host=options.host, port=options.port, log_level=log_level,
                             access_log=False, timeout_graceful_shutdown=30, lifespan="on", proxy_headers=False,
                             server_header=False, date_header=False, http=protocol,
-                            timeout_keep_alive=options.keep_alive_s)
-    grpc_note = f", gRPC on {state.grpc_address}" if state.grpc_address else ""
-    print(f"mlscale serve: {', '.join(uris)} on http://{options.host}:{options.port} (Open Inference Protocol "
-          f"v2, /predict, /metrics{grpc_note})", file=sys.stderr, flush=True)
+                            timeout_keep_alive=options.keep_alive_s, backlog=2048)
+    if announce:
+        grpc_note = f", gRPC on {state.grpc_address}" if state.grpc_address else ""
+        print(f"mlscale serve: {', '.join(uris)} on http://{options.host}:{options.port} (Open Inference Protocol "
+              f"v2, /predict, /metrics{grpc_note})", file=sys.stderr, flush=True)
     _DrainingServer(config, state, options.drain_delay_s).run(sockets=[sock])
