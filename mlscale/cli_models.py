@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from mlscale.cli_parsers import int_at_least
+from mlscale.cli_rollout import add_rollout_commands
 from mlscale.display import as_json, pairs, table
 
 
@@ -78,6 +79,7 @@ def add_models(sub: argparse._SubParsersAction) -> None:
     sample.add_argument("--predict", action="store_true", help="a /predict body instead of a v2 infer request")
     add_registry_option(sample)
     sample.set_defaults(handler=_sample)
+    add_rollout_commands(msub, _common)
     mirror = _common(msub.add_parser("mirror", help="copy a version into MLflow (needs mlscale[mlflow])"))
     mirror.add_argument("uri", help="model URI")
     mirror.add_argument("--mlflow-uri", required=True, help="MLflow tracking/registry URI, e.g. sqlite:///mlflow.db")

@@ -521,6 +521,20 @@ class Registry:
                 self._raise_missing(conn, parsed.name, what)
         return self.get_version(parsed.name, version)
 
+    def model_tags(self, name: str) -> dict[str, str]:
+        """The tags set on the model itself (``set_tag`` with no version), not on one of its versions."""
+        with self._tx() as conn:
+            table = schema.tags
+            rows = conn.execute(select(table.c.key, table.c.value).where(
+                (table.c.name == name) & (table.c.version == 0))).all()
+            if not rows:
+                self._raise_missing_model(conn, name)
+            return dict(rows)
+
+    def _raise_missing_model(self, conn: Connection, name: str) -> None:
+        if conn.execute(select(schema.models.c.name).where(schema.models.c.name == name)).scalar() is None:
+            raise NotFound(f"no registered model named {name!r} in {self._safe_url()}")
+
     def versions(self, name: str) -> list[ModelVersion]:
         with self._tx() as conn:
             rows = conn.execute(select(schema.versions).where(schema.versions.c.name == name)

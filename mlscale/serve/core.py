@@ -25,6 +25,7 @@ from mlscale.serve.connections import BodyBudget
 from mlscale.serve.metrics import ServerMetrics
 from mlscale.serve.models import ModelSlot, ServedModel
 from mlscale.serve.protocol import BadRequest
+from mlscale.serve.rollout import Shadow, TrafficSplit
 
 log = logging.getLogger("mlscale.serve")
 T = TypeVar("T")
@@ -75,6 +76,10 @@ class ServerState:
         self.grpc_server: Any = None
         self._grpc_stop: tuple[float, asyncio.Future[None]] | None = None  # (grace, the stop under way)
         self.loop_lag_s = 0.0  # how late the event loop runs what is ready: the server's own backlog
+        self.splits: dict[str, TrafficSplit] = {}  # model name -> its traffic split with a canary
+        self.shadow: Shadow | None = None  # copies of one model's requests, answered off the response path
+        self.route_header = b"x-route-key"  # the header whose value keeps a caller on one version
+        self.reload_interval_s = 2.0
 
     @property
     def ready(self) -> bool:
@@ -108,6 +113,8 @@ class ServerState:
             await slot.load()
             if slot.follows:
                 self.tasks.append(loop.create_task(slot.follow()))
+        for split in self.splits.values():
+            self.tasks.append(loop.create_task(split.follow(self.reload_interval_s)))
         if self.grpc_address is not None:
             assert self.start_grpc is not None, "a gRPC address without the service's start"
             self.grpc_server = await self.start_grpc(self, self.grpc_address, self.max_body_bytes,
@@ -166,9 +173,18 @@ class ServerState:
         while self.check_live() is None:
             await asyncio.sleep(min(1.0, self.exec_timeout_s / 4))
 
+    def route(self, served: ServedModel, key: bytes | None) -> ServedModel:
+        """The version a request by model name goes to: ``served`` (the model's primary version), or its
+        canary for the split's share of requests (sticky per ``key`` when there is one)."""
+        split = self.splits.get(served.name)
+        if split is None or served is not split.primary.current:
+            return served
+        return split.pick(key) or served
+
     def successor_of(self, served: ServedModel) -> ServedModel:
         for slot in self.slots:
-            if slot.name == served.name and slot.current is not None and slot.current is not served:
+            if (slot.name == served.name and slot.role == served.role and slot.current is not None
+                    and slot.current is not served):
                 return slot.current
         raise HTTPError(404, f"model '{served.name}' version {served.number} was replaced")
 
@@ -187,12 +203,15 @@ async def run_inference(state: ServerState, served: ServedModel, array: np.ndarr
     """The output and the version that computed it (which the response must name). ``start``: when the
     request's handling began, less the event loop's lag then (its wait before any handler ran)."""
     try:
-        return await _predict_once(state, served, array, params, start), served
+        output = await _predict_once(state, served, array, params, start)
     except Replaced:
         # The version was swapped while this request was being read: its successor answers it, so a
         # hot reload fails nothing. (A request that named this exact version finds it gone: 404.)
-        successor = state.successor_of(served)
-        return await _predict_once(state, successor, array, params, start), successor
+        served = state.successor_of(served)
+        output = await _predict_once(state, served, array, params, start)
+    if state.shadow is not None and state.shadow.name == served.name:  # a copy, answered off this path
+        state.shadow.copy(served, array, output, time.perf_counter() - start)
+    return output, served
 
 
 async def _predict_once(state: ServerState, served: ServedModel, array: np.ndarray, params: dict[str, Any],

@@ -117,6 +117,10 @@ class InferenceService:
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
         served = self._served(request.model_name, request.model_version)
+        if not request.model_version and self.state.splits:  # by name: the traffic split picks the version
+            header = self.state.route_header.decode()
+            key = next((value for name, value in context.invocation_metadata() or () if name == header), None)
+            served = self.state.route(served, key.encode() if isinstance(key, str) else key)
         size, bodies = request.ByteSize(), self.state.bodies
         if not bodies.take(size):  # the same budget as HTTP bodies: a message is held until it is answered
             raise body_budget_full(self.state)

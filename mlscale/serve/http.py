@@ -181,12 +181,19 @@ class InferenceFrontend:
     async def _infer(self, scope: dict[str, Any], receive: Any, name: str, version: str | None) -> Answer:
         served = self._model(name, version)
         predict = (name, version) == _PREDICT
+        by_entity = False  # routed once the body is read, by the entities it names
+        if version is None and self.state.splits:  # by model name: the traffic split picks the version
+            key = _header(scope, self.state.route_header)
+            by_entity = key is None and served.features is not None
+            if not by_entity:
+                served = self.state.route(served, key)
         refuse_if_overloaded(served)  # under overload, a refusal costs as little as possible: no body read
         async with request_body(self.state, scope, receive) as body:  # the slot only once it has all arrived
-            return await admitted(self.state, served, lambda start: self._answer(scope, body, served, predict, start))
+            return await admitted(self.state, served,
+                                  lambda start: self._answer(scope, body, served, predict, start, by_entity))
 
     async def _answer(self, scope: dict[str, Any], body: bytes, served: ServedModel, predict: bool,
-                      start: float) -> Answer:
+                      start: float, by_entity: bool = False) -> Answer:
         state = self.state
         header_length = _header(scope, HEADER_LENGTH)
         # The memo holds JSON answers to plain JSON bodies; binary framing goes the canonical way, and so
@@ -204,6 +211,9 @@ class InferenceFrontend:
                 request = await asyncio.to_thread(_parse, body, header_length, served, predict)
             else:
                 request = _parse(body, header_length, served, predict)
+            if by_entity:  # sticky per entity: every request naming these entities goes to one version
+                served = state.route(served, orjson.dumps(request.entities, option=orjson.OPT_SORT_KEYS)
+                                     if request.entities is not None else None)
             if request.array is None:
                 request.array = await entity_features(served, request.entities)
         output, answered_by = await run_inference(state, served, request.array, request.parameters, start)
@@ -287,6 +297,11 @@ def build_app(state: ServerState) -> InferenceFrontend:
     async def model_config(request: Request) -> Response:
         return JSONResponse(describe.model_config(_served(request)))
 
+    async def compare_versions(request: Request) -> Response:
+        from mlscale.serve.rollout import compare
+
+        return JSONResponse(compare(state, request.path_params["name"]))
+
     async def model_statistics(request: Request) -> Response:
         return JSONResponse(describe.statistics(state, request.path_params.get("name"),
                                                 request.path_params.get("version")))
@@ -329,7 +344,8 @@ def build_app(state: ServerState) -> InferenceFrontend:
         Route("/v2/models/stats", model_statistics), Route(model, model_metadata), Route(version, model_metadata),
         Route(f"{model}/ready", model_ready), Route(f"{version}/ready", model_ready), Route("/metrics", metrics),
         Route(f"{model}/config", model_config), Route(f"{version}/config", model_config),
-        Route(f"{model}/stats", model_statistics), Route(f"{version}/stats", model_statistics),
+        Route(f"{model}/compare", compare_versions), Route(f"{model}/stats", model_statistics),
+        Route(f"{version}/stats", model_statistics),
         Route("/v2/repository/index", repository_index, methods=["POST"]),
     ]
     from starlette.exceptions import HTTPException

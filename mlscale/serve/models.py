@@ -39,7 +39,9 @@ class ServedModel:
     """One loaded version: its runtime, its batcher and what clients may send it."""
 
     def __init__(self, version: ModelVersion, runtime: Runtime, options: ServeOptions,
-                 metrics: ServerMetrics) -> None:
+                 metrics: ServerMetrics, role: str = "primary") -> None:
+        """``role``: primary, canary or shadow; a shadow's model calls never run on the event loop (the
+        served path must not wait for them)."""
         self.version, self.runtime, self.options = version, runtime, options
         self.name, self.number = version.name, version.version
         signature = version.signature
@@ -49,12 +51,14 @@ class ServedModel:
         self.content_id = f"{runtime.kind}:{artifact.sha256 if artifact else version.uri}:{self.output.datatype}"
         self.labels = (self.name, str(self.number))
         self.stats = metrics.stats_for(*self.labels)
+        self.role = self.stats.role = role
         self.batcher = DynamicBatcher(runtime, stats=self.stats,
                                       max_batch_size=options.max_batch_size, max_delay_s=options.max_delay_ms / 1e3,
-                                      queue_limit=options.queue_limit,
                                       slo_s=options.slo_ms / 1e3 if options.slo_ms else None,
                                       timeout_s=options.timeout_ms / 1e3,
-                                      inline=options.exec_timeout_s is None, instances=options.instances)
+                                      inline=options.exec_timeout_s is None and role != "shadow",
+                                      instances=options.instances,
+                                      queue_limit=options.shadow_queue if role == "shadow" else options.queue_limit)
         self.stats.loaded.set(1)
         self.features = None  # a model trained from features: what turns entity keys into its input
         if version.config.get("task") == "features":
@@ -88,10 +92,11 @@ class ServedModel:
 
 class ModelSlot:
     def __init__(self, uri: str, registry: Registry, options: ServeOptions, metrics: ServerMetrics,
-                 loaded: tuple[ModelVersion, Runtime] | None = None) -> None:
+                 loaded: tuple[ModelVersion, Runtime] | None = None, role: str = "primary") -> None:
         """``loaded``: the version and runtime already loaded (and verified) at start, so that a model
-        is read and hashed once, not again when the server begins to listen."""
-        self.uri, self.parsed = uri, parse_uri(uri)
+        is read and hashed once, not again when the server begins to listen. ``role``: primary, canary
+        (a share of the model's requests) or shadow (copies of them)."""
+        self.uri, self.parsed, self.role = uri, parse_uri(uri), role
         self.registry, self.options, self.metrics = registry, options, metrics
         self.current: ServedModel | None = None
         self.follows = self.parsed.version is None
@@ -106,7 +111,7 @@ class ModelSlot:
         if runtime is None:
             runtime = await asyncio.to_thread(load_runtime, self.registry, version, self.options.runtime,
                                               self.options.threads, self.options.precision)
-        served = ServedModel(version, runtime, self.options, self.metrics)
+        served = ServedModel(version, runtime, self.options, self.metrics, role=self.role)
         await asyncio.to_thread(served.warm_up)
         return served
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import uvicorn
 
-from mlscale.errors import MlscaleError
-from mlscale.registry import Registry
+from mlscale.errors import MlscaleError, UsageError
+from mlscale.registry import Registry, parse_uri
 from mlscale.serve.cache import ResponseCache
 from mlscale.serve.connections import protocol_with
 from mlscale.serve.core import GRPC_GRACE_S, ServerState
@@ -83,15 +83,43 @@ def model_uris(uris: list[str], options: ServeOptions) -> list[str]:
 def build_state(uris: list[str], options: ServeOptions, registry: Registry) -> ServerState:
     """Every URI resolved and its runtime loaded (artifacts read and hashed) once, before listening.
     The response cache's bound is the whole server's: each of several workers has its share."""
+    from mlscale.serve.options import split_share
+    from mlscale.serve.rollout import Shadow, TrafficSplit
+
     cache = ResponseCache(int(options.cache_mb * 1024 * 1024 / options.worker_count))
     metrics = ServerMetrics(cache)
-    slots = []
-    for uri in uris:  # fail fast: unknown models, missing ONNX artifacts, undeclared tasks
-        version = registry.resolve(uri)
+
+    def slot(uri: str, role: str = "primary") -> ModelSlot:
+        version = registry.resolve(uri)  # fail fast: unknown models, missing ONNX artifacts, undeclared tasks
         runtime = load_runtime(registry, version, options.runtime, options.threads, options.precision)
-        slots.append(ModelSlot(uri, registry, options, metrics, loaded=(version, runtime)))
-    return ServerState(slots, metrics, cache, options.max_body_bytes, exec_timeout_s=options.exec_timeout_s,
-                       read_timeout_s=options.read_timeout_s, max_inflight_bytes=options.max_inflight_bytes)
+        return ModelSlot(uri, registry, options, metrics, loaded=(version, runtime), role=role)
+
+    slots = [slot(uri) for uri in uris]
+    state = ServerState(slots, metrics, cache, options.max_body_bytes, exec_timeout_s=options.exec_timeout_s,
+                        read_timeout_s=options.read_timeout_s, max_inflight_bytes=options.max_inflight_bytes)
+    state.route_header = options.route_header.lower().encode()
+    for flag in ("canary", "shadow"):
+        value = getattr(options, flag)
+        if value is None:
+            continue
+        uri, share = split_share(value, flag, required=flag == "canary")
+        name = parse_uri(uri).name
+        primary = next((s for s in slots if s.name == name), None)
+        if primary is None:
+            raise UsageError(f"--{flag} {uri}: no model named {name} is served; a {flag} is another version "
+                             f"of a model served ({', '.join(sorted({s.name for s in slots}))})")
+        extra = slot(uri, role=flag)
+        loaded = extra._loaded[0].version if extra._loaded else None
+        if any(other.name == name and other._loaded and other._loaded[0].version == loaded for other in state.slots):
+            raise UsageError(f"--{flag} {uri} is version {loaded} of {name}, which the server holds already: a "
+                             f"{flag} is another version, to compare with the one served")
+        state.slots.append(extra)
+        if flag == "canary":
+            state.splits[name] = TrafficSplit(primary, extra, share)
+        else:
+            state.shadow = Shadow(extra, share, options.shadow_queue)
+    state.reload_interval_s = options.reload_interval_s
+    return state
 
 
 def bind(host: str, port: int, flag: str = "--port") -> socket.socket:
