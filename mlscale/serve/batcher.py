@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from mlscale.serve import tracing
 from mlscale.serve.metrics import ModelStats
 from mlscale.serve.runtime import Runtime
 
@@ -60,6 +61,7 @@ class _Pending:
     future: asyncio.Future[np.ndarray]
     arrival: float
     deadline: float
+    trace: tracing.RequestTrace | None = None
 
     @property
     def rows(self) -> int:
@@ -178,6 +180,7 @@ class DynamicBatcher:
         self._busy_until: float | None = None
         self._calls: dict[int, float] = {}  # perf_counter when each model call now running began
         self._call_ids = 0
+        self.tracer: tracing.Tracer | None = None  # set when the server exports traces
         self._last_done = float("-inf")
         self._concurrent = False  # the last batch held several requests or left some queued
         self._closing = False
@@ -230,7 +233,10 @@ class DynamicBatcher:
     async def submit(self, array: np.ndarray) -> np.ndarray:
         self.admit(len(array))
         now = time.perf_counter()
-        pending = _Pending(array, asyncio.get_running_loop().create_future(), now, now + self.timeout_s)
+        trace = tracing.current.get()
+        pending = _Pending(array, asyncio.get_running_loop().create_future(), now, now + self.timeout_s, trace)
+        if trace is not None:
+            trace.enqueued = now
         self._queue.append(pending)
         self._queued_rows += pending.rows
         self.stats.queue_depth.set(len(self._queue))
@@ -336,7 +342,8 @@ class DynamicBatcher:
             self.stats.executing.set(len(self._calls))
             self._last_done = time.perf_counter()
             self._concurrent = self._concurrent or bool(self._queue)
-        elapsed = self.last_elapsed = time.perf_counter() - start
+        self.last_call = start, time.perf_counter()
+        elapsed = self.last_elapsed = self.last_call[1] - start
         self.cost_model.observe(len(array), elapsed)
         self.executions += 1
         self.stats.executions.inc()
@@ -347,6 +354,7 @@ class DynamicBatcher:
         return output
 
     async def _execute(self, batch: list[_Pending]) -> None:
+        dispatched = time.perf_counter()
         try:
             self._concurrent = len(batch) > 1
             arrays = [p.array for p in batch]
@@ -363,10 +371,24 @@ class DynamicBatcher:
                     _resolve(pending, exc=single_exc)
             return
         self._count_compute(len(batch))
+        if self.tracer is not None:
+            self._trace(batch, dispatched)
         start = 0
         for pending in batch:
             _resolve(pending, value=output[start:start + pending.rows])
             start += pending.rows
+
+    def _trace(self, batch: list[_Pending], dispatched: float) -> None:
+        """The batch's span, and its times on each traced request it carried."""
+        traced = [pending.trace for pending in batch if pending.trace is not None]
+        if not traced:
+            return
+        assert self.tracer is not None
+        info = {"id": self.tracer.new_batch_id(), "rows": sum(p.rows for p in batch), "requests": len(batch)}
+        exec_start, exec_end = self.last_call
+        for trace in traced:
+            trace.dispatched, trace.exec_start, trace.exec_end, trace.batch = dispatched, exec_start, exec_end, info
+        self.tracer.batch(traced, info, dispatched, exec_end)
 
     def _count_compute(self, requests: int) -> None:
         self.stats.compute_requests.inc(requests)

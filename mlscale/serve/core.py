@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from mlscale.serve import tracing
 from mlscale.serve.batcher import DeadlineExceeded, Overloaded, Replaced
 from mlscale.serve.cache import ResponseCache, cache_key
 from mlscale.serve.connections import BodyBudget
@@ -80,6 +81,7 @@ class ServerState:
         self.shadow: Shadow | None = None  # copies of one model's requests, answered off the response path
         self.route_header = b"x-route-key"  # the header whose value keeps a caller on one version
         self.reload_interval_s = 2.0
+        self.tracer: tracing.Tracer | None = None  # exports request traces (--otlp-endpoint)
 
     @property
     def ready(self) -> bool:
@@ -136,6 +138,8 @@ class ServerState:
                 await slot.current.close()
         if self.peers is not None:
             self.peers.publish(self.metrics.snapshot())  # the last word: what it answered while draining
+        if self.tracer is not None:
+            await asyncio.to_thread(self.tracer.shutdown)  # the spans not yet exported
 
     def stop_grpc(self, grace_s: float) -> asyncio.Future[None]:
         """Stop the gRPC service: refuse new calls now, let calls in flight finish for ``grace_s``
@@ -211,6 +215,9 @@ async def run_inference(state: ServerState, served: ServedModel, array: np.ndarr
         output = await _predict_once(state, served, array, params, start)
     if state.shadow is not None and state.shadow.name == served.name:  # a copy, answered off this path
         state.shadow.copy(served, array, output, time.perf_counter() - start)
+    trace = tracing.current.get()
+    if trace is not None:
+        trace.version = str(served.number)
     return output, served
 
 
@@ -220,8 +227,13 @@ async def _predict_once(state: ServerState, served: ServedModel, array: np.ndarr
     try:
         if state.cache.enabled:
             key = cache_key(served.content_id, array, params)
+            looked_up = time.perf_counter()
             output, how = await state.cache.get_or_compute(key, lambda: served.batcher.submit(array))
             stats.cache[how].inc()
+            trace = tracing.current.get()
+            if trace is not None:
+                trace.mark("cache", looked_up, time.perf_counter() if how == "hit" else looked_up,
+                           **{"mlscale.cache.result": how})
         else:
             output = await served.batcher.submit(array)
     except Replaced:
@@ -278,6 +290,9 @@ async def admitted(state: ServerState, served: ServedModel, answer: Callable[[fl
     start = time.perf_counter() - state.loop_lag_s
     refuse_if_overloaded(served)
     guard = served.batcher.guard
+    trace = tracing.current.get()
+    if trace is not None:
+        trace.admitted = time.perf_counter()
     if guard is None:
         return await answer(start)
     if not guard.enter():
@@ -299,8 +314,13 @@ async def entity_features(served: ServedModel, entities: Any) -> np.ndarray:
     answer in time (only the requests that need it wait on it)."""
     from mlscale.serve.featured import StoreUnavailable
 
+    started = time.perf_counter()
     try:
         return await served.feature_vectors(entities)
     except StoreUnavailable as exc:
         served.stats.failure("store_unavailable")
         raise HTTPError(503, f"{exc}; retry later", {"Retry-After": "1"}) from None
+    finally:
+        trace = tracing.current.get()
+        if trace is not None:
+            trace.mark("features", started, time.perf_counter())

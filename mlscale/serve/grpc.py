@@ -14,6 +14,7 @@ module is ``mlscale.serve.grpc``: ``import grpc`` below is absolute, so it is gr
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -22,7 +23,7 @@ import numpy as np
 from google.protobuf import json_format
 
 from mlscale.errors import MlscaleError
-from mlscale.serve import describe
+from mlscale.serve import describe, tracing
 from mlscale.serve.core import (
     GRPC_CODES,
     HTTPError,
@@ -116,6 +117,25 @@ class InferenceService:
         return json_format.ParseDict({"models": index}, pb.RepositoryIndexResponse())
 
     async def ModelInfer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
+        tracer = self.state.tracer
+        if tracer is None:
+            return await self._model_infer(request, context)
+        metadata = dict(context.invocation_metadata() or ())
+        trace = tracer.begin(request.model_name, "grpc", metadata.get("traceparent"), time.perf_counter())
+        tracing.current.set(trace)
+        status = 500
+        try:
+            response = await self._model_infer(request, context)
+            status = 200
+            return response
+        except HTTPError as exc:
+            status = exc.status
+            raise
+        finally:
+            tracer.finish(trace, status)
+            await context.send_initial_metadata((("traceparent", tracer.traceparent(trace)),))
+
+    async def _model_infer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
         served = self._served(request.model_name, request.model_version)
         if not request.model_version and self.state.splits:  # by name: the traffic split picks the version
             header = self.state.route_header.decode()

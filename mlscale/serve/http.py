@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from mlscale.serve import describe
+from mlscale.serve import describe, tracing
 from mlscale.serve.cache import raw_key
 from mlscale.serve.core import (
     HTTPError,
@@ -158,6 +158,12 @@ class InferenceFrontend:
         if scope["method"] != "POST":
             await _send(send, 405, orjson.dumps({"error": "Method Not Allowed"}), {"Allow": "POST"})
             return
+        tracer, trace = self.state.tracer, None
+        if tracer is not None:  # the caller's traceparent continued; this task's requests traced
+            parent = _header(scope, b"traceparent")
+            trace = tracer.begin(route[0] or "predict", "http", parent.decode("latin-1") if parent else None,
+                                 time.perf_counter())
+            tracing.current.set(trace)
         try:
             answer = await self._infer(scope, receive, *route)
             status, headers = 200, None
@@ -168,6 +174,9 @@ class InferenceFrontend:
             answer, status, headers = Answer(orjson.dumps({"error": str(error)})), 500, error.headers
         if self.state.draining:  # keep-alive clients reconnect, through the load balancer, to a server that stays
             headers = {**(headers or {}), "Connection": "close"}
+        if trace is not None:
+            tracer.finish(trace, status)
+            headers = {**(headers or {}), "traceparent": tracer.traceparent(trace)}
         await _send(send, status, answer.payload, headers, answer.json_length)
 
     def _model(self, name: str, version: str | None) -> ServedModel:

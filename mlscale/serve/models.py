@@ -100,6 +100,7 @@ class ModelSlot:
         self.registry, self.options, self.metrics = registry, options, metrics
         self.current: ServedModel | None = None
         self.follows = self.parsed.version is None
+        self.tracer: Any = None  # the server's tracing.Tracer, handed to each version's batcher
         self._loaded = loaded
 
     @property
@@ -112,6 +113,7 @@ class ModelSlot:
             runtime = await asyncio.to_thread(load_runtime, self.registry, version, self.options.runtime,
                                               self.options.threads, self.options.precision)
         served = ServedModel(version, runtime, self.options, self.metrics, role=self.role)
+        served.batcher.tracer = self.tracer
         await asyncio.to_thread(served.warm_up)
         return served
 

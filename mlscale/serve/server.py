@@ -119,6 +119,12 @@ def build_state(uris: list[str], options: ServeOptions, registry: Registry) -> S
         else:
             state.shadow = Shadow(extra, share, options.shadow_queue)
     state.reload_interval_s = options.reload_interval_s
+    if options.otlp_endpoint:
+        from mlscale.serve.tracing import Tracer
+
+        state.tracer = Tracer(options.otlp_endpoint)
+        for each in state.slots:
+            each.tracer = state.tracer
     return state
 
 
