@@ -52,6 +52,8 @@ BENCHMARKS = {
     "recovery": ("mlscale.bench.recovery", "one failure: restart-all vs per-step fault tolerance (torchft)"),
     "export": ("mlscale.bench.export", "inference latency, onnxruntime vs eager torch, digits models"),
     "serve": ("mlscale.bench.serve", "serving goodput at an SLO vs LitServe, FastAPI and offline"),
+    "serve-scale": ("mlscale.bench.serve_scale", "serving goodput by workers per host vs LitServe; a shadow's "
+                    "cost to p99; a canary's split"),
     "features": ("mlscale.bench.features", "point-in-time retrieval vs pandas merge_asof; SQLite and Redis lookups"),
     "hostile": ("mlscale.bench.hostile", "a normal client's p99 and the server's memory under slow, idle and "
                 "flooding clients"),

@@ -56,7 +56,10 @@ def add_rollout_commands(msub: argparse._SubParsersAction, common: Any) -> None:
     compare.add_argument("--max-error-increase", type=float, default=1.0, metavar="POINTS",
                          help="canary: its error rate may exceed the champion's by this many points (default 1)")
     compare.add_argument("--max-p99-ratio", type=float, default=1.5,
-                         help="its p99 latency over the champion's, at most (default 1.5)")
+                         help="its p99 latency over the champion's, at most (default 1.5)...")
+    compare.add_argument("--p99-slack-ms", type=float, default=5.0,
+                         help="...or at most this much above it: differences of a few milliseconds between "
+                         "histogram buckets are not judged (default 5)")
     compare.add_argument("--min-agreement", type=float, default=0.99,
                          help="shadow: the share of answers that agree with the served ones, at least (default 0.99)")
     compare.add_argument("--max-mean-abs-diff", type=float, default=None,
@@ -105,8 +108,9 @@ def checks(champion: dict[str, Any], challenger: dict[str, Any], args: argparse.
     ours, theirs = (shadow["p99_ms"], shadow["served_p99_ms"]) if shadow else (challenger["p99_ms"], champion["p99_ms"])
     if ours is not None and theirs:
         ratio = ours / theirs
-        found.append((ratio <= args.max_p99_ratio, f"p99 {_ms(ours)} vs {_ms(theirs)}: x{ratio:.2f} "
-                      f"(at most x{args.max_p99_ratio:g}: --max-p99-ratio)"))
+        passed = ratio <= args.max_p99_ratio or ours <= theirs + args.p99_slack_ms
+        found.append((passed, f"p99 {_ms(ours)} vs {_ms(theirs)}: x{ratio:.2f} (at most x{args.max_p99_ratio:g}, "
+                      f"or {args.p99_slack_ms:g} ms more: --max-p99-ratio, --p99-slack-ms)"))
     if shadow:
         agreement = shadow["agreement"]
         found.append((agreement is not None and agreement >= args.min_agreement,

@@ -66,3 +66,4 @@ def test_every_marked_readme_block_runs_as_written(tmp_path):
     llama = json.loads((tmp_path / "runs/llama-fsdp-tp/report.json").read_text())
     assert llama["world_size"] == 4 and llama["workers"] == 2  # 2 data shards x 2 tensor-parallel ranks
     assert (tmp_path / "runs/llama-pipeline/report.json").exists()
+    assert "v2 (canary)" in out and "digits v2: every check passed" in out  # the rollout's comparison

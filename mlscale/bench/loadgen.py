@@ -247,7 +247,7 @@ def main() -> None:
     if config.get("cpu") is not None:
         import os
 
-        os.sched_setaffinity(0, {config["cpu"]})
+        os.sched_setaffinity(0, set(config["cpu"]) if isinstance(config["cpu"], list) else {config["cpu"]})
     try:
         import uvloop
 

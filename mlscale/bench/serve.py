@@ -108,9 +108,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _pin_server() -> None:
-    if hasattr(os, "sched_setaffinity") and SERVER_CPU in os.sched_getaffinity(0):
-        os.sched_setaffinity(0, {SERVER_CPU})
+def _pin_server(cpus: set[int] | None = None) -> None:
+    """This process (and what it starts) on ``cpus``, by default the one server core."""
+    if hasattr(os, "sched_setaffinity"):
+        allowed = os.sched_getaffinity(0)
+        wanted = (cpus or {SERVER_CPU}) & allowed
+        if wanted:
+            os.sched_setaffinity(0, wanted)
 
 
 @dataclass
@@ -197,7 +201,10 @@ def request_rows(rows: np.ndarray, per_request: int) -> list[np.ndarray]:
 
 
 def start_server(kind: str, model: dict[str, Any], args: argparse.Namespace, *, cache_mb: float = 0.0,
-                 slo_ms: float | None = None) -> Server:
+                 slo_ms: float | None = None, cpus: set[int] | None = None, extra: tuple[str, ...] = (),
+                 litserve: dict[str, Any] | None = None) -> Server:
+    """A server of ``kind`` on its own core (or on ``cpus``), ready and warmed up. ``extra``: more
+    ``mlscale serve`` flags; ``litserve``: settings over ``litserve_config``'s (several workers, say)."""
     port, rows, config, headers = _free_port(), model["rows"], None, None
     if kind in ("mlscale", "mlscale-binary"):
         command = [sys.executable, "-m", "mlscale", "serve", model["uri"], "--registry", model["registry"],
@@ -206,6 +213,7 @@ def start_server(kind: str, model: dict[str, Any], args: argparse.Namespace, *, 
                    "--no-grpc"]
         if slo_ms:
             command += ["--slo-ms", str(slo_ms)]
+        command += list(extra)
         name = model["uri"].split("/")[1]
         requests = request_rows(rows, args.rows_per_request)
         encode = v2_binary_body if kind == "mlscale-binary" else v2_body
@@ -215,7 +223,7 @@ def start_server(kind: str, model: dict[str, Any], args: argparse.Namespace, *, 
     elif kind in (*LITSERVE_SYSTEMS, "fastapi"):
         command = [sys.executable, "-m", "mlscale.bench.anchors", kind, model["onnx"], str(port)]
         if kind in LITSERVE_SYSTEMS:
-            config = litserve_config(kind, args.max_batch_size, args.max_delay_ms / 1e3)
+            config = {**litserve_config(kind, args.max_batch_size, args.max_delay_ms / 1e3), **(litserve or {})}
             command.append(json.dumps(config))
         path, bodies = "/predict", [json.dumps({"input": [float(x) for x in r]}) for r in rows]
     else:
@@ -223,7 +231,7 @@ def start_server(kind: str, model: dict[str, Any], args: argparse.Namespace, *, 
         path, bodies = "/noop", [v2_body(r) for r in rows]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-                               preexec_fn=_pin_server, start_new_session=True)
+                               preexec_fn=lambda: _pin_server(cpus), start_new_session=True)
     server = Server(kind, process, port, path, bodies, headers=headers, config=config)
     try:
         _wait_ready(server)
@@ -333,7 +341,8 @@ def trial(server: Server, rate: float, args: argparse.Namespace, bodies: list[st
     payload = {"bodies_b64": server.bodies, "headers": server.headers} if server.headers and bodies is None \
         else {"bodies": bodies or server.bodies}
     config = {"host": "127.0.0.1", "port": server.port, "path": server.path, **payload, "rate": rate,
-              "duration_s": args.duration_s, "warmup_s": args.warmup_s, "cpu": LOADGEN_CPU,
+              "duration_s": args.duration_s, "warmup_s": args.warmup_s,
+              "cpu": getattr(args, "loadgen_cpus", None) or LOADGEN_CPU,
               "connections": POOL_CONNECTIONS, "max_connections": POOL_CONNECTIONS, "seed": int(rate)}
     output = subprocess.run([sys.executable, "-m", "mlscale.bench.loadgen"], input=json.dumps(config),
                             capture_output=True, text=True, timeout=args.duration_s + args.warmup_s + 60)

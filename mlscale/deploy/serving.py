@@ -108,6 +108,7 @@ class ServingDeployment:
             raise UsageError("bad value --online-store after --: --online-store-secret gives the online store already")
         check_count("target-cpu-percent", self.target_cpu_percent)
         check_count("target-pending", self.target_pending)
+        check_workers(self.serve_args, self.cpu)
 
     @property
     def most_replicas(self) -> int:
@@ -118,6 +119,30 @@ class ServingDeployment:
         """SIGTERM to exit, at most: the drain delay, then the server's bound on finishing what is in
         flight (a request still queued or computing past it is cut: the server, not the kubelet, says so)."""
         return math.ceil(self.drain_delay_s + FINISH_IN_FLIGHT_S + MARGIN_S)
+
+
+def _flag_value(args: tuple[str, ...], flag: str) -> str | None:
+    for index, arg in enumerate(args):
+        if arg == flag and index + 1 < len(args):
+            return args[index + 1]
+        if arg.startswith(flag + "="):
+            return arg.partition("=")[2]
+    return None
+
+
+def check_workers(serve_args: tuple[str, ...], cpu: str) -> None:
+    """``--workers`` after --: a number the pod's CPU request covers. ``auto`` is refused: the pods have
+    no CPU limit (throttling would stall them), so it would count the node's cores, not the pod's."""
+    workers = _flag_value(serve_args, "--workers")
+    if workers is None:
+        return
+    if workers == "auto":
+        raise UsageError("bad value --workers auto after --: the pods have no CPU limit, so auto would count the "
+                         "node's cores; give --workers N and --cpu N")
+    cores = float(cpu[:-1]) / 1000 if cpu.endswith("m") else float(cpu)
+    if workers.isdigit() and int(workers) > max(1.0, cores):
+        raise UsageError(f"bad value --workers {workers} after --: the pod requests {cpu} CPU; give --cpu {workers} "
+                         "so that each worker has a core (and the autoscaler's CPU target means what it says)")
 
 
 def _has_credentials(value: str) -> bool:

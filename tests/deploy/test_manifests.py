@@ -22,7 +22,7 @@ import yaml
 
 from mlscale.cli import main
 from mlscale.deploy import MIN_KUBERNETES
-from mlscale.deploy.serving import FINISH_IN_FLIGHT_S
+from mlscale.deploy.serving import FINISH_IN_FLIGHT_S, ServingDeployment
 from mlscale.serve.core import GRPC_GRACE_S
 from tests.helpers import REPO
 
@@ -299,3 +299,13 @@ def test_what_clients_may_hold_follows_the_pods_memory_limit_unless_given():
     given = _serve_command("--memory", "512Mi", "--", "--max-connections", "100")
     assert given.count("--max-connections") == 1 and _flag(given, "--max-connections") == "100"
     assert _flag(given, "--max-inflight-mb") == "32"
+
+
+def test_serving_workers_in_a_pod_need_the_cores_the_pod_requests(tmp_path):
+    from mlscale.errors import UsageError
+
+    with pytest.raises(UsageError, match="auto would count the node's cores"):
+        ServingDeployment("digits", "models:/digits/1", IMAGE, serve_args=("--workers", "auto"))
+    with pytest.raises(UsageError, match="give --cpu 4"):
+        ServingDeployment("digits", "models:/digits/1", IMAGE, serve_args=("--workers=4",), cpu="2")
+    ServingDeployment("digits", "models:/digits/1", IMAGE, serve_args=("--workers", "4"), cpu="4")
