@@ -2,11 +2,17 @@
 
 1. Goodput at p99 <= SLO (the search of ``bench serve``: open-loop Poisson load, the rate doubled
    until a trial fails, then bisected) of ``mlscale serve --workers N`` for N = 1, 2, 4, ... up to
-   the server's cores, side by side with LitServe at its best multi-core settings (``workers_per_device``
-   N, with one API server and with N, the better kept) on the same cores. The load generator runs on
-   cores of its own (``--loadgen-cpus``, by default a quarter of the machine, at least one); the
-   servers on the rest. Scaling efficiency: goodput(N) / (N x goodput(1)). On a 2-core machine only
-   N = 1 with the generator apart is honest, and that is all that runs there.
+   the server's cores, side by side on the same cores with LitServe at its best multi-core settings
+   (``workers_per_device`` N, with one API server and with N, the better kept) and MLServer
+   (``parallel_workers`` N, and 0, inference in its HTTP process, on one core; with adaptive batching
+   and without; the best kept; a custom runtime on the same ONNX file, onnxruntime on one thread).
+   MLServer runs from a virtual environment of its own (``--mlserver-python``: its dependencies stay
+   out of this one); its 1.7 parallel workers need ``uvloop<0.21`` (later uvloop refuses the event-loop
+   call they make): ``python -m venv .mlserver && .mlserver/bin/pip install mlserver onnxruntime
+   'uvloop<0.21'``. The load generator runs on cores of its own (``--loadgen-cpus``, by default a
+   quarter of the machine, at least one), the servers on the rest. Scaling efficiency: goodput(N) /
+   (N x goodput(1)). On a 2-core machine only N = 1 with the generator apart is honest, and that is
+   all that runs there.
 2. The shadow's cost to the served path: p99 at a fixed rate (half of one worker's goodput measured
    above, or ``--shadow-rate``) with and without ``--shadow`` (a second version of the model, every
    request copied), taking turns, medians of the repeats.
@@ -29,7 +35,29 @@ from mlscale.bench.machine import machine_info
 from mlscale.bench.report import pyplot, save_figure, write_results
 from mlscale.cli_parsers import add_out_option, float_above, int_at_least, name_list
 
-SYSTEMS = ("mlscale", "litserve")
+SYSTEMS = ("mlscale", "litserve", "mlserver")
+# MLServer's custom runtime: the ONNX file on onnxruntime, one thread, as every system here runs it
+MLSERVER_RUNTIME = """
+import numpy as np
+import onnxruntime as ort
+from mlserver import MLModel
+from mlserver.codecs import NumpyCodec
+from mlserver.types import InferenceRequest, InferenceResponse
+
+
+class OnnxModel(MLModel):
+    async def load(self) -> bool:
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = options.inter_op_num_threads = 1
+        self.session = ort.InferenceSession(self.settings.parameters.uri, options,
+                                            providers=["CPUExecutionProvider"])
+        return True
+
+    async def predict(self, payload: InferenceRequest) -> InferenceResponse:
+        rows = NumpyCodec.decode_input(payload.inputs[0]).astype(np.float32)
+        scores = self.session.run(["output"], {"input": rows})[0]
+        return InferenceResponse(model_name=self.name, outputs=[NumpyCodec.encode_output("output", scores)])
+"""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -53,6 +81,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shadow-rate", type=float_above(0), default=None,
                    help="offered rate of the shadow check (default half of one worker's goodput)")
     p.add_argument("--split-requests", type=int_at_least(100), default=10_000)
+    p.add_argument("--mlserver-python", default=None, metavar="PATH",
+                   help="python of a virtual environment with mlserver and onnxruntime installed (default: "
+                   "$MLSCALE_MLSERVER_PYTHON; without one, MLServer is left out and the results say so)")
     p.add_argument("--quick", action="store_true", help="1 repeat, 1.5 s trials, 2 bisection steps")
     # what bench serve's functions read and this benchmark does not vary
     p.set_defaults(rows_per_request=1)
@@ -85,11 +116,54 @@ def worker_counts(text: str | None, server_cores: int) -> list[int]:
     return counts
 
 
+def start_mlserver(model: dict[str, Any], args: argparse.Namespace, cpus: set[int], settings: dict[str, Any],
+                   folder: Path) -> base.Server:
+    """MLServer serving the ONNX file through ``MLSERVER_RUNTIME`` with ``settings``: ``parallel_workers``
+    and ``batching`` (adaptive batching at mlscale's batch size and delay, or none)."""
+    import os
+    import shutil
+    import subprocess
+
+    shutil.rmtree(folder, ignore_errors=True)
+    name = model["uri"].split("/")[1]
+    (folder / name).mkdir(parents=True)
+    (folder / "onnx_runtime.py").write_text(MLSERVER_RUNTIME)
+    port = base._free_port()
+    (folder / "settings.json").write_text(json.dumps({
+        "http_port": port, "grpc_port": base._free_port(), "metrics_port": base._free_port(),
+        "parallel_workers": settings["parallel_workers"], "debug": False}))
+    batching = {"max_batch_size": args.max_batch_size, "max_batch_time": args.max_delay_ms / 1e3} \
+        if settings["batching"] else {}
+    (folder / name / "model-settings.json").write_text(json.dumps({
+        "name": name, "implementation": "onnx_runtime.OnnxModel", "parameters": {"uri": model["onnx"]},
+        **batching}))
+    python = Path(args.mlserver_python)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(folder)}
+    process = subprocess.Popen([str(python.parent / "mlserver"), "start", str(folder)], cwd=folder, env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               preexec_fn=lambda: base._pin_server(cpus), start_new_session=True)
+    bodies = [base.v2_body(r) for r in model["rows"]]
+    server = base.Server("mlserver", process, port, f"/v2/models/{name}/infer", bodies,
+                         config=settings)
+    try:
+        base._wait_ready(server)
+    except BaseException:
+        server.stop()
+        raise
+    server.processes = len(base.group_processes(process.pid))
+    return server
+
+
 def _goodput(system: str, model: dict[str, Any], args: argparse.Namespace, cpus: set[int], workers: int,
              litserve: dict[str, Any] | None = None) -> dict[str, Any]:
-    kind = "litserve-tuned" if system == "litserve" else "mlscale"
-    extra = ("--workers", str(workers)) if system == "mlscale" else ()
-    server = base.start_server(kind, model, args, cpus=cpus, extra=extra, litserve=litserve)
+    """``litserve``: the anchor's settings (LitServe's or MLServer's)."""
+    if system == "mlserver":
+        assert litserve is not None
+        server = start_mlserver(model, args, cpus, litserve, Path(args.scratch) / "mlserver")
+    else:
+        kind = "litserve-tuned" if system == "litserve" else "mlscale"
+        extra = ("--workers", str(workers)) if system == "mlscale" else ()
+        server = base.start_server(kind, model, args, cpus=cpus, extra=extra, litserve=litserve)
     try:
         goodput, trials = base.find_goodput(server, args, base._log)
     finally:
@@ -109,6 +183,13 @@ def scaling(model: dict[str, Any], args: argparse.Namespace, server_cores: list[
                       file=sys.stderr, flush=True)
                 if system == "mlscale":
                     runs.append(_goodput(system, model, args, cpus, workers))
+                    continue
+                if system == "mlserver":  # its best of N inference workers (and, on one core, none), with
+                    # adaptive batching and without
+                    choices = [{"parallel_workers": n, "batching": batching}
+                               for n in [workers] + ([0] if workers == 1 else []) for batching in (True, False)]
+                    runs.append(max((_goodput(system, model, args, cpus, workers, choice) for choice in choices),
+                                    key=lambda run: run["goodput"]))
                     continue
                 # LitServe's best of one API server and of as many as inference workers
                 options = [{"workers_per_device": workers, "num_api_servers": 1}]
@@ -169,6 +250,7 @@ def canary_split(model: dict[str, Any], canary_uri: str, args: argparse.Namespac
 
 
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    import os
     import tempfile
 
     from mlscale.export import export_version
@@ -176,7 +258,13 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
     server_cores, loadgen_cores = layout(args.loadgen_cpus)
     args.loadgen_cpus = loadgen_cores
+    args.mlserver_python = args.mlserver_python or os.environ.get("MLSCALE_MLSERVER_PYTHON")
+    left_out = []
+    if "mlserver" in args.systems and not (args.mlserver_python and Path(args.mlserver_python).exists()):
+        args.systems = [system for system in args.systems if system != "mlserver"]
+        left_out.append("mlserver: no --mlserver-python (a virtual environment with mlserver and onnxruntime)")
     with tempfile.TemporaryDirectory(prefix="mlscale-bench-scale-") as scratch:
+        args.scratch = scratch
         model = base.prepare_models(Path(scratch), [args.model])[args.model]
         # a second version of the same model: the shadow's and the canary's
         registry = Registry(model["registry"])
@@ -190,6 +278,7 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             "note": ("2-core machine: only one worker with the generator on the other core is an honest figure"
                      if len(server_cores) == 1 else ""),
         }
+        results["left_out"] = left_out
         results["scaling"] = scaling(model, args, server_cores)
         one = results["scaling"].get("mlscale", {}).get("1", {}).get("goodput") or 1000.0
         cpus = {server_cores[0]}

@@ -338,3 +338,40 @@ def test_a_real_change_of_cost_still_reaches_the_cost_model():
     for _ in range(120):  # a heavier input: every batch now takes 5 ms (forgetting alone needs ~80)
         model.observe(1, 5e-3)
     assert model.cost(1) > 4e-3
+
+
+class Overlaps(Doubler):
+    """A Doubler that counts how many of its calls run at the same time (a model call that releases the
+    GIL, as onnxruntime's and torch's do)."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__(delay_s)
+        import threading
+
+        self.running, self.most, self.lock = 0, 0, threading.Lock()
+
+    def run(self, batch: np.ndarray) -> np.ndarray:
+        with self.lock:
+            self.running += 1
+            self.most = max(self.most, self.running)
+        try:
+            return super().run(batch)
+        finally:
+            with self.lock:
+                self.running -= 1
+
+
+@pytest.mark.parametrize("instances", [1, 3])
+def test_instances_run_that_many_batches_at_once_and_every_request_gets_its_own_rows(instances):
+    async def scenario():
+        runtime = Overlaps(delay_s=0.05)
+        batcher = make(runtime, max_batch_size=2, instances=instances)
+        results = await asyncio.gather(*(batcher.submit(rows(i)) for i in range(12)))
+        started = batcher.call_started
+        await batcher.close()
+        return runtime, results, started
+
+    runtime, results, started = asyncio.run(scenario())
+    assert [r.tolist() for r in results] == [[[2.0 * i] * 2] for i in range(12)]
+    assert runtime.most == instances and max(runtime.batches) <= 2
+    assert started is None  # no call left running
