@@ -15,7 +15,7 @@ from mlscale.cli_models import add_export, add_models
 from mlscale.cli_parsers import LazyParser
 from mlscale.cli_plan import add_plan
 from mlscale.cli_serve import add_serve
-from mlscale.errors import MlscaleError, UsageError
+from mlscale.errors import MlscaleError, report_error
 
 TRAIN_EXAMPLES = """examples:
   mlscale train --task digits --workers 2 --epochs 5
@@ -113,19 +113,6 @@ def run() -> None:
 
         leave(code)
     sys.exit(code)
-
-
-def _redacted(exc: BaseException) -> str:
-    from mlscale.redact import redact_text
-
-    return redact_text(str(exc))
-
-
-def report_error(exc: MlscaleError) -> int:
-    """An error of mlscale's printed in one line (every URL in it without its password); its exit code."""
-    prefix = "mlscale: error: " if isinstance(exc, UsageError) else "mlscale: "
-    print(f"{prefix}{_redacted(exc)}", file=sys.stderr)
-    return exc.exit_code
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -50,3 +50,15 @@ def describe_validation_error(error: Any, cli_names: dict[str, str] | None = Non
     if not key:
         return f"bad configuration: {message}"
     return f"bad value {key}={first.get('input')!r}: {message}"
+
+
+def report_error(exc: MlscaleError) -> int:
+    """An error of mlscale's printed in one line on stderr (every URL in it without its password), as
+    every command prints one; returns its exit code."""
+    import sys
+
+    from mlscale.redact import redact_text
+
+    prefix = "mlscale: error: " if isinstance(exc, UsageError) else "mlscale: "
+    print(f"{prefix}{redact_text(str(exc))}", file=sys.stderr)
+    return exc.exit_code

@@ -262,7 +262,7 @@ def worker_main() -> int:
     _die_with_parent()
     spec = json.loads(sys.stdin.buffer.read())
     options = ServeOptions(**spec["options"])
-    from mlscale.cli import report_error
+    from mlscale.errors import report_error
     from mlscale.serve import batcher
     from mlscale.serve.server import run_server
 
