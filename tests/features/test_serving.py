@@ -51,6 +51,13 @@ def trained(tmp_path, monkeypatch):
     return registry, repository, service, store
 
 
+def trained_run(registry: str):
+    """The run folder the fixture trained (beside its registry)."""
+    from pathlib import Path
+
+    return Path(registry).parent / "run"
+
+
 def test_served_feature_vectors_equal_the_training_vectors_bit_for_bit(trained):
     registry, repository, service, store = trained
     asked = [{"user_id": u} for u in (3, 17, 42, 999)]  # 999: unknown, its features missing
@@ -76,6 +83,21 @@ def test_served_feature_vectors_equal_the_training_vectors_bit_for_bit(trained):
                                                   dtype=np.float64) for n in names], axis=1)).astype(np.float32)
     assert served.tobytes() == expected.tobytes()  # bit for bit
     assert not served[3].any()  # the unknown entity: every feature missing, fed as 0
+
+    # a canary of a model served from features: sticky per entity, so a user always meets one version
+    from mlscale.registry import Registry, register_run
+
+    register_run(Registry(registry), trained_run(registry), "churn")  # version 2
+    with running_server(registry, "models:/churn/1", "--canary", "models:/churn/2=50", "--online-store", str(store),
+                        "--runtime", "torch", "--no-grpc") as (base, _):
+        met = {}
+        for _ in range(3):
+            for user in range(30):
+                answer = httpx.post(f"{base}/v2/models/churn/infer",
+                                    json={"parameters": {"entities": [{"user_id": user}]}}).json()
+                met.setdefault(user, set()).add(answer["model_version"])
+    assert all(len(versions) == 1 for versions in met.values()), met
+    assert set().union(*met.values()) == {"1", "2"}  # and the users are split between both
 
 
 
