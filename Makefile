@@ -29,7 +29,7 @@ test: $(BIN)/.installed
 # Skipped, each with its reason, where there is none.
 test-gpu: $(BIN)/.installed
 	$(BIN)/python -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.device_count(), 'device(s)')"
-	$(BIN)/python -m pytest -q -rs -m gpu tests/gpu
+	$(BIN)/python -m pytest -q -rs -s -m gpu tests/gpu
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check .

@@ -57,6 +57,9 @@ def add_rollout_commands(msub: argparse._SubParsersAction, common: Any) -> None:
                          help="canary: its error rate may exceed the champion's by this many points (default 1)")
     compare.add_argument("--max-p99-ratio", type=float, default=1.5,
                          help="its p99 latency over the champion's, at most (default 1.5)...")
+    compare.add_argument("--min-latency-answers", type=int, default=1000,
+                         help="answers each side needs before its p99 is judged (a p99 of fewer is a few slowest "
+                         "requests: reported, not judged; default 1000)")
     compare.add_argument("--p99-slack-ms", type=float, default=5.0,
                          help="...or at most this much above it: differences of a few milliseconds between "
                          "histogram buckets are not judged (default 5)")
@@ -106,7 +109,11 @@ def checks(champion: dict[str, Any], challenger: dict[str, Any], args: argparse.
     found.append((answered >= args.min_requests, f"{answered} answers to judge (at least {args.min_requests}: "
                   "--min-requests)"))
     ours, theirs = (shadow["p99_ms"], shadow["served_p99_ms"]) if shadow else (challenger["p99_ms"], champion["p99_ms"])
-    if ours is not None and theirs:
+    fewest = answered if shadow else min(answered, champion["success"] + champion["failed"])
+    if ours is not None and theirs and fewest < args.min_latency_answers:
+        found.append((True, f"p99 {_ms(ours)} vs {_ms(theirs)}: not judged, {fewest} answers (at least "
+                      f"{args.min_latency_answers}: --min-latency-answers)"))
+    elif ours is not None and theirs:
         ratio = ours / theirs
         passed = ratio <= args.max_p99_ratio or ours <= theirs + args.p99_slack_ms
         found.append((passed, f"p99 {_ms(ours)} vs {_ms(theirs)}: x{ratio:.2f} (at most x{args.max_p99_ratio:g}, "
@@ -118,7 +125,7 @@ def checks(champion: dict[str, Any], challenger: dict[str, Any], args: argparse.
         if args.max_mean_abs_diff is not None:
             difference = shadow["mean_abs_diff"]
             found.append((difference is not None and difference <= args.max_mean_abs_diff,
-                          f"mean absolute difference {difference:.3g} (at most {args.max_mean_abs_diff:g})"))
+                          f"mean absolute difference {_number(difference)} (at most {args.max_mean_abs_diff:g})"))
     else:
         ours_rate, theirs_rate = challenger["error_rate"] or 0.0, champion["error_rate"] or 0.0
         increase = (ours_rate - theirs_rate) * 100

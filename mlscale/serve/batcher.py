@@ -13,6 +13,7 @@ request fails alone.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import os
 import time
@@ -40,6 +41,7 @@ INLINE_BELOW_S = 0.001
 WORTH_WAITING_FOR_S = 200e-6
 # One batch's time counts for at most this many times its prediction, plus the floor (CostModel.observe).
 OUTLIER_FACTOR, OUTLIER_FLOOR_S = 10.0, 20e-6
+log = logging.getLogger("mlscale.serve")
 ONE_CORE = hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) == 1
 
 
@@ -371,12 +373,15 @@ class DynamicBatcher:
                     _resolve(pending, exc=single_exc)
             return
         self._count_compute(len(batch))
-        if self.tracer is not None:
-            self._trace(batch, dispatched)
         start = 0
         for pending in batch:
             _resolve(pending, value=output[start:start + pending.rows])
             start += pending.rows
+        if self.tracer is not None:  # after the answers: a tracing failure never strands a batch
+            try:
+                self._trace(batch, dispatched)
+            except Exception as exc:
+                log.warning("a batch's trace was not recorded: %s", exc)
 
     def _trace(self, batch: list[_Pending], dispatched: float) -> None:
         """The batch's span, and its times on each traced request it carried."""

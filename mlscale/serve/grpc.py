@@ -13,6 +13,7 @@ module is ``mlscale.serve.grpc``: ``import grpc`` below is absolute, so it is gr
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -133,7 +134,8 @@ class InferenceService:
             raise
         finally:
             tracer.finish(trace, status)
-            await context.send_initial_metadata((("traceparent", tracer.traceparent(trace)),))
+            with contextlib.suppress(Exception):  # a call cancelled or past its deadline takes no metadata
+                await context.send_initial_metadata((("traceparent", tracer.traceparent(trace)),))
 
     async def _model_infer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
         served = self._served(request.model_name, request.model_version)

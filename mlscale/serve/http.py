@@ -221,8 +221,9 @@ class InferenceFrontend:
             else:
                 request = _parse(body, header_length, served, predict)
             if by_entity:  # sticky per entity: every request naming these entities goes to one version
-                served = state.route(served, orjson.dumps(request.entities, option=orjson.OPT_SORT_KEYS)
-                                     if request.entities is not None else None)
+                first = request.entities[0] if isinstance(request.entities, list) and request.entities else None
+                served = state.route(served, orjson.dumps(first, option=orjson.OPT_SORT_KEYS)
+                                     if first is not None else None)
             if request.array is None:
                 request.array = await entity_features(served, request.entities)
         output, answered_by = await run_inference(state, served, request.array, request.parameters, start)

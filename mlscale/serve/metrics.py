@@ -108,6 +108,7 @@ class ModelStats:
     def __init__(self, model: str, version: str) -> None:
         self.labels = [model, version]
         self.role = "primary"  # how requests reach it: primary, canary (a share of them) or shadow (copies)
+        self.holders: dict[str, int] = {}  # role -> slots serving this version in it now (hold, release)
         self.success, self.inferences, self.executions = Counter(), Counter(), Counter()
         self.cache = {"hit": Counter(), "miss": Counter(), "coalesced": Counter()}
         self.duration, self.queue, self.compute = (Histogram(LATENCY_BUCKETS) for _ in range(3))
@@ -128,6 +129,20 @@ class ModelStats:
         self.shadow_sent, self.shadow_skipped, self.shadow_compared = Counter(), Counter(), Counter()
         self.shadow_agreed, self.shadow_abs_diff, self.shadow_failed = Counter(), Counter(), Counter()
         self.shadow_latency, self.shadow_primary_latency = Histogram(LATENCY_BUCKETS), Histogram(LATENCY_BUCKETS)
+
+    def hold(self, role: str) -> None:
+        """A slot serves this version in ``role`` from now on (a version may be both a model's primary and
+        its canary, after a promotion): loaded while any slot holds it; its role the primary's if one is."""
+        self.holders[role] = self.holders.get(role, 0) + 1
+        self._held()
+
+    def release(self, role: str) -> None:
+        self.holders[role] = max(0, self.holders.get(role, 0) - 1)
+        self._held()
+
+    def _held(self) -> None:
+        self.loaded.set(1 if any(self.holders.values()) else 0)
+        self.role = next((role for role in ("primary", "canary", "shadow") if self.holders.get(role)), self.role)
 
     def snapshot(self) -> dict[str, Any]:
         """Every series as plain JSON values: what a worker publishes for the others to merge."""
@@ -200,7 +215,10 @@ class ServerMetrics:
         """The whole server's series: this process's, with every other worker's when there are several."""
         if self.peers is None:
             return MetricsView.merge([(None, self.snapshot(), True)])
-        return MetricsView.merge(self.peers.snapshots(self.snapshot()), self.peers.extra())
+        own = self.snapshot()
+        self.peers.publish(own)  # what a scrape shows is on disk first: a later scrape of another worker,
+        # or this worker's death, never shows less
+        return MetricsView.merge(self.peers.snapshots(own), self.peers.extra())
 
     def render(self) -> bytes:
         registry = CollectorRegistry()

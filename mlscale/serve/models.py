@@ -51,7 +51,8 @@ class ServedModel:
         self.content_id = f"{runtime.kind}:{artifact.sha256 if artifact else version.uri}:{self.output.datatype}"
         self.labels = (self.name, str(self.number))
         self.stats = metrics.stats_for(*self.labels)
-        self.role = self.stats.role = role
+        self.role = role
+        self.stats.hold(role)
         self.batcher = DynamicBatcher(runtime, stats=self.stats,
                                       max_batch_size=options.max_batch_size, max_delay_s=options.max_delay_ms / 1e3,
                                       slo_s=options.slo_ms / 1e3 if options.slo_ms else None,
@@ -59,7 +60,6 @@ class ServedModel:
                                       inline=options.exec_timeout_s is None and role != "shadow",
                                       instances=options.instances,
                                       queue_limit=options.shadow_queue if role == "shadow" else options.queue_limit)
-        self.stats.loaded.set(1)
         self.features = None  # a model trained from features: what turns entity keys into its input
         if version.config.get("task") == "features":
             from mlscale.serve.featured import FeatureInputs
@@ -83,7 +83,7 @@ class ServedModel:
         await self.batcher.close()
         if self.features is not None:
             await asyncio.to_thread(self.features.close)
-        self.stats.loaded.set(0)
+        self.stats.release(self.role)
 
     def warm_up(self) -> None:
         shape = [1 if d == -1 else d for d in self.input.shape]

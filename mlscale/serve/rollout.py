@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from mlscale.serve import tracing
 from mlscale.serve.metrics import ModelStats
 
 if TYPE_CHECKING:
@@ -130,10 +131,12 @@ class Shadow:
         return self.slot.name
 
     def copy(self, served: ServedModel, array: np.ndarray, output: np.ndarray, served_seconds: float) -> None:
-        """Queue a copy of a request ``served`` answered with ``output`` in ``served_seconds``, unless
-        it is not in the share, or the shadow holds ``queue_limit`` copies already (then dropped)."""
+        """Queue a copy of a request the primary version ``served`` answered with ``output`` in
+        ``served_seconds`` (a canary's answers are not compared: the shadow is measured against the
+        version served), unless it is not in the share, or the shadow holds ``queue_limit`` copies
+        already (then dropped)."""
         shadow = self.slot.current
-        if shadow is None or shadow is served or not self.split.pick():
+        if shadow is None or served.role != "primary" or not self.split.pick():
             return
         stats = shadow.stats
         stats.shadow_sent.inc()
@@ -147,6 +150,7 @@ class Shadow:
 
     async def _answer(self, shadow: ServedModel, array: np.ndarray, output: np.ndarray,
                       served_seconds: float) -> None:
+        tracing.current.set(None)  # this task's own context: the copy is not part of the client's trace
         stats: ModelStats = shadow.stats
         start = time.perf_counter()
         try:

@@ -1,8 +1,9 @@
 """A server of several worker processes (``mlscale serve --workers N``): one supervisor, N workers.
 
-How requests reach a worker: the supervisor binds and listens on the HTTP port once; every worker
-inherits that one listening socket and accepts from it (the kernel hands each new connection to a
-worker waiting in ``accept``, so an idle worker takes more of them than a busy one). A keep-alive
+How requests reach a worker: the supervisor binds the HTTP port once; every worker inherits that one
+socket (it listens from when the first worker has loaded its models) and accepts from it (the kernel
+hands each new connection to a worker waiting in ``accept``, so an idle worker takes more of them than
+a busy one). A keep-alive
 connection stays with the worker that accepted it. The gRPC port is bound by every worker with
 ``SO_REUSEPORT`` (the kernel spreads connections over them). Each worker holds its own copy of the
 models, batchers and response cache (the cache's bound divided among them), so batches form per
@@ -54,7 +55,7 @@ class Peers:
 
     def __init__(self, directory: str | Path, count: int, index: int | None = None) -> None:
         self.directory, self.count, self.index = Path(directory), count, index
-        flags = self.directory / "ready"
+        flags = self.directory / "flags.bin"  # a byte per worker: 1 while it is ready
         if not flags.exists():
             flags.write_bytes(bytes(count))
         self._file = flags.open("r+b")
@@ -90,12 +91,20 @@ class Peers:
         """(worker label, snapshot, live) of every worker: this one's ``own``, the others' last published,
         and those of dead workers (not live)."""
         found: list[tuple[str | None, dict[str, Any], bool]] = [(str(self.index), own, True)]
-        for path in sorted(self.directory.glob("*.json")):
+        paths = sorted(self.directory.glob("*.json"))
+        seen = set(paths)
+        for path in paths:
             live = path.name.startswith("metrics-")
             if (live and path == self._published(self.index or 0)) or not (live or path.name.startswith("retired-")):
                 continue
-            with contextlib.suppress(FileNotFoundError, ValueError):  # replaced or retired meanwhile
-                found.append((path.stem.split("-")[1], json.loads(path.read_bytes()), live))
+            worker = path.stem.split("-")[1]
+            try:
+                found.append((worker, json.loads(path.read_bytes()), live))
+            except (FileNotFoundError, ValueError):
+                if live:  # retired since the listing: read it under its new name, its counts must not drop
+                    for retired in sorted(set(self.directory.glob(f"retired-{worker}-*.json")) - seen):
+                        with contextlib.suppress(FileNotFoundError, ValueError):
+                            found.append((worker, json.loads(retired.read_bytes()), False))
         return found
 
     def extra(self) -> list[Metric]:
@@ -147,6 +156,8 @@ class Supervisor:
         process.stdin.close()
         self.processes[index] = process
         self.was_ready[index] = False
+        if self.stopping is not None:  # a signal came while it was being started: it stops too
+            process.send_signal(self.stopping)
 
     def signal_all(self, sig: int) -> None:
         for process in self.processes:
@@ -199,18 +210,22 @@ class Supervisor:
             if not started and not self.was_ready[index]:  # a bad model, a taken port: stop, say why (it did)
                 self.stopping = signal.SIGTERM
                 self.signal_all(signal.SIGKILL)
-                return code or 1
+                return code if code > 0 else 1
             self.failed_starts = 0 if self.was_ready[index] else self.failed_starts + 1
             if self.failed_starts >= GIVE_UP_AFTER:
                 log.error("%d workers in a row died before they were ready: stopping", self.failed_starts)
                 self.stopping = signal.SIGTERM
                 self.signal_all(signal.SIGTERM)
                 return 1
+            if self.stopping is not None:  # a signal came meanwhile: no restart
+                continue
             self.restarts += 1
             how = f"signal {-code}" if code < 0 else f"exit {code}"
             log.warning("worker %d (pid %d) died (%s): restarted (%d restarts)", index, process.pid, how,
                         self.restarts)
-            (self.directory / "supervisor.json").write_text(json.dumps({"restarts": self.restarts}))
+            partial = self.directory / "supervisor.partial"
+            partial.write_text(json.dumps({"restarts": self.restarts}))
+            os.replace(partial, self.directory / "supervisor.json")  # never read half written
             self.spawn(index)
         return None
 
@@ -233,8 +248,7 @@ def supervise(uris: list[str], options: ServeOptions, registry_location: str | N
         registry = Registry(registry_location, create=False)
         for uri in model_uris(uris, options):  # an unknown model is one line before any worker starts
             registry.resolve(uri)
-        sock.listen(BACKLOG)
-        sock.set_inheritable(True)
+        sock.set_inheritable(True)  # listening once the first worker has loaded the models (uvicorn listens)
     except BaseException:
         sock.close()
         raise

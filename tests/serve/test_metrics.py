@@ -51,3 +51,34 @@ def test_a_version_loaded_again_continues_its_series():
     metrics.stats_for("digits", "1").success.inc()
     assert metrics.stats_for("digits", "1").success.value == 1
     assert samples(metrics)[("mlscale_inference_request_success_total", (("model", "digits"), ("version", "1")))] == 1
+
+
+def test_a_version_held_as_primary_and_canary_keeps_its_role_and_stays_loaded_until_both_let_go():
+    from mlscale.serve.metrics import ModelStats
+
+    stats = ModelStats("digits", "2")
+    stats.hold("canary")
+    assert (stats.role, stats.loaded.value) == ("canary", 1)
+    stats.hold("primary")  # promoted: the primary loads the version its canary runs
+    assert (stats.role, stats.loaded.value) == ("primary", 1)
+    stats.release("primary")  # rolled back: the canary still serves it
+    assert (stats.role, stats.loaded.value) == ("canary", 1)
+    stats.release("canary")
+    assert stats.loaded.value == 0
+
+
+def test_merged_counters_add_up_workers_and_keep_a_dead_workers_counts_but_not_its_gauges():
+    from mlscale.serve.metrics import MetricsView, ServerMetrics
+
+    snapshots = []
+    for successes, depth in ((3, 2), (5, 7)):
+        metrics = ServerMetrics()
+        stats = metrics.stats_for("digits", "1")
+        stats.hold("primary")
+        stats.success.inc(successes)
+        stats.queue_depth.set(depth)
+        snapshots.append(metrics.snapshot())
+    view = MetricsView.merge([("0", snapshots[0], True), ("1", snapshots[1], False)])
+    merged = view.models[("digits", "1")]
+    assert merged.success.value == 8 and merged.queue_depth.value == 2  # the dead worker holds nothing now
+    assert [worker for worker, _ in view.per_worker] == ["0"]
