@@ -15,6 +15,7 @@ from mlscale.cli_models import add_export, add_models
 from mlscale.cli_parsers import LazyParser
 from mlscale.cli_plan import add_plan
 from mlscale.cli_serve import add_serve
+from mlscale.cli_ui import add_ui
 from mlscale.errors import MlscaleError, report_error
 
 TRAIN_EXAMPLES = """examples:
@@ -55,6 +56,7 @@ BENCHMARKS = {
     "serve-scale": ("mlscale.bench.serve_scale", "serving goodput by workers per host vs LitServe; a shadow's "
                     "cost to p99; a canary's split"),
     "features": ("mlscale.bench.features", "point-in-time retrieval vs pandas merge_asof; SQLite and Redis lookups"),
+    "ui": ("mlscale.bench.ui", "mlscale ui's page load for a run of 100,000 steps on 64 ranks, cold and warm"),
     "hostile": ("mlscale.bench.hostile", "a normal client's p99 and the server's memory under slow, idle and "
                 "flooding clients"),
 }
@@ -89,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve(sub)
     add_features(sub)
     add_k8s(sub)
+    add_ui(sub)
     _add_bench(sub)
     return parser
 

@@ -1,0 +1,446 @@
+"""Runs as the UI shows them: found under a folder, summarised for the table, their records read once
+and then only as they grow, and down-sampled on this side so that a long run on many ranks reaches the
+page as a few hundred points a chart (full resolution where the page zooms in).
+
+Everything here reads the run directory through ``RunDir`` and ``read_records``: the files a run writes
+are the UI's only source, so what the page shows is what ``metrics.jsonl`` and the logs say.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import operator
+import os
+import threading
+import time
+from array import array
+from dataclasses import dataclass, field
+from itertools import chain
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import orjson
+
+from mlscale.io import read_records
+from mlscale.rundir import RunDir
+
+# The split of a step the page stacks, in the order it stacks them (StepTimes' names in metrics.jsonl).
+SPLIT_KEYS = ("compute_ms", "comm_exposed_ms", "data_wait_ms", "optimizer_ms")
+RANK_KEYS = ("step_ms", *SPLIT_KEYS, "comm_ms", "straggler_score")
+RUNNING_WITHIN_S = 60.0  # a run without a report whose heartbeats or records moved this recently is running
+MAX_DEPTH = 3  # how deep under --runs run directories are looked for
+
+
+def find_runs(root: Path) -> dict[str, Path]:
+    """Every run directory (one holding ``config.json``) at or under ``root``, by its path relative to
+    ``root`` (``.`` for ``root`` itself); hidden folders and a run's own sub-folders are not searched."""
+    found: dict[str, Path] = {}
+
+    def walk(folder: Path, depth: int) -> None:
+        if RunDir(folder).config_path.is_file():
+            found[folder.relative_to(root).as_posix()] = folder
+            return
+        if depth >= MAX_DEPTH:
+            return
+        try:
+            children = sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+        except OSError:
+            return
+        for child in children:
+            walk(child, depth + 1)
+
+    if root.is_dir():
+        walk(root, 0)
+    return found
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return orjson.loads(path.read_bytes())
+    except (OSError, orjson.JSONDecodeError):
+        return None
+
+
+def _finite(value: Any) -> float | None:
+    return value if isinstance(value, (int, float)) and math.isfinite(value) else None
+
+
+_RANK_VALUES = operator.itemgetter("rank", *RANK_KEYS)
+_WIDTH = 1 + len(RANK_KEYS)
+
+
+def _rank_values(entry: dict[str, Any]) -> list[float]:
+    """(rank, *RANK_KEYS) of one per_rank entry; a key an older record lacks reads as its neutral value,
+    a value that is not a number as NaN."""
+    values = [entry.get("rank", 0), *(entry.get(k, 1.0 if k == "straggler_score" else 0.0) for k in RANK_KEYS)]
+    return [float(v) if isinstance(v, (int, float)) else math.nan for v in values]
+
+
+@dataclass
+class Series:
+    """A run's metrics.jsonl as columns, one row per line; the per-rank values kept flat as they come
+    (line, rank, *RANK_KEYS) and laid out as a lines x ranks matrix per key when asked.
+
+    A resumed run appends the steps after its checkpoint again: the later line of a step supersedes the
+    earlier one. ``kept`` are the lines that stand (steps strictly increasing), what the charts draw."""
+
+    steps: list[int] = field(default_factory=list)
+    loss: list[float] = field(default_factory=list)
+    lr: list[float] = field(default_factory=list)
+    samples_per_s: list[float] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)  # every rank seen, sorted
+    flat: array = field(default_factory=lambda: array("d"))  # (rank, *RANK_KEYS) per per_rank entry, in line order
+    line_start: list[int] = field(default_factory=list)  # the entry each line's entries begin at
+    extras: dict[int, dict[str, Any]] = field(default_factory=dict)  # line -> eval, stragglers, degraded steps
+    kept: list[int] = field(default_factory=list)
+    _matrices: dict[str, np.ndarray] = field(default_factory=dict)
+    _rank_set: set[int] = field(default_factory=set)
+
+    def add(self, record: dict[str, Any]) -> None:
+        line, step = len(self.steps), int(record.get("step", 0))
+        loss = _finite(record.get("loss"))
+        self.steps.append(step)
+        self.loss.append(math.nan if loss is None else loss)
+        self.lr.append(record.get("lr") or 0.0)
+        self.samples_per_s.append(record.get("samples_per_s") or 0.0)
+        self.line_start.append(len(self.flat) // _WIDTH)
+        entries = record.get("per_rank") or ()
+        try:
+            self.flat.fromlist(list(chain.from_iterable(map(_RANK_VALUES, entries))))
+        except (KeyError, TypeError):  # a key missing (an older record) or not a number: entry by entry
+            del self.flat[self.line_start[-1] * _WIDTH:]
+            for entry in entries:
+                self.flat.fromlist(_rank_values(entry))
+        seen = {int(entry.get("rank", 0)) for entry in entries if isinstance(entry.get("rank", 0), int)}
+        if not seen <= self._rank_set:
+            self._rank_set |= seen
+            self.ranks = sorted(self._rank_set)
+        self._matrices.clear()
+        extra = {key: record[key] for key in ("eval", "stragglers", "degraded_steps") if record.get(key)}
+        if extra:
+            self.extras[line] = extra
+        while self.kept and self.steps[self.kept[-1]] >= step:
+            self.kept.pop()
+        self.kept.append(line)
+
+    def row(self, line: int) -> dict[str, Any]:
+        """Line ``line`` as the page draws it (the live stream sends these)."""
+        end = self.line_start[line + 1] if line + 1 < len(self.line_start) else len(self.flat) // _WIDTH
+        loss = self.loss[line]
+        entries = [self.flat[i * _WIDTH:(i + 1) * _WIDTH] for i in range(self.line_start[line], end)]
+        return {"line": line, "step": self.steps[line], "loss": None if math.isnan(loss) else loss,
+                "lr": self.lr[line], "samples_per_s": self.samples_per_s[line],
+                "per_rank": {str(int(e[0])): dict(zip(RANK_KEYS, e[1:])) for e in entries},
+                **self.extras.get(line, {})}
+
+    def column(self, key: str, lines: np.ndarray) -> np.ndarray:
+        return np.asarray(getattr(self, key), dtype=np.float64)[lines]
+
+    def matrix(self, key: str, lines: np.ndarray) -> np.ndarray:
+        """``lines`` x ranks of one per-rank key (NaN where a rank has no value on a line)."""
+        if key not in self._matrices:
+            self._layout()
+        return self._matrices[key][lines]
+
+    def _layout(self) -> None:
+        flat = np.frombuffer(self.flat, dtype=np.float64).reshape(-1, _WIDTH) if self.flat else np.zeros((0, _WIDTH))
+        counts = np.diff(np.asarray([*self.line_start, len(flat)], dtype=np.int64))
+        lines = np.repeat(np.arange(len(self.steps)), counts)
+        known = np.isin(flat[:, 0], self.ranks)  # an entry without a rank number is left out
+        flat, lines = flat[known], lines[known]
+        ranks = np.searchsorted(self.ranks, flat[:, 0].astype(np.int64))
+        for i, key in enumerate(RANK_KEYS):
+            out = np.full((len(self.steps), len(self.ranks)), np.nan)
+            out[lines, ranks] = flat[:, 1 + i]
+            self._matrices[key] = out
+
+    def kept_extras(self, key: str) -> list[tuple[int, Any]]:
+        """(line, value) of one of the extras, on the lines that stand."""
+        standing = set(self.kept)
+        return [(line, extra[key]) for line, extra in sorted(self.extras.items()) if key in extra and line in standing]
+
+
+def _buckets(count: int, points: int) -> np.ndarray:
+    """Bucket edges splitting ``count`` lines into at most ``points`` nearly equal buckets."""
+    buckets = max(1, min(points, count))
+    return np.linspace(0, count, buckets + 1).round().astype(np.int64)
+
+
+def _reduce(values: np.ndarray, edges: np.ndarray, how: str) -> np.ndarray:
+    """Per bucket (axis 0) mean or max, NaN-aware; a bucket of one line is that line."""
+    if len(edges) - 1 == len(values):
+        return values
+    fn = np.nanmax if how == "max" else np.nanmean
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # an all-NaN bucket stays NaN
+        return np.stack([fn(values[a:b], axis=0) for a, b in itertools.pairwise(edges)]) if len(values) \
+            else values
+
+
+def _clean(values: np.ndarray, digits: int = 4) -> list[Any]:
+    """JSON-ready: rounded, NaN as null."""
+    rounded = np.round(values.astype(np.float64), digits)
+    return [None if isinstance(v, float) and math.isnan(v) else v for v in rounded.tolist()] \
+        if rounded.ndim == 1 else [_clean(row, digits) for row in rounded]
+
+
+class RunView:
+    """One run directory, read as it grows: ``refresh`` parses only the lines appended since the last
+    call (a file that shrank, a resumed run cutting a torn line, is read again from the start)."""
+
+    def __init__(self, run_id: str, path: Path) -> None:
+        self.id, self.run = run_id, RunDir(path)
+        self.series = Series()
+        self._offset = 0
+        self._lock = threading.Lock()
+
+    def refresh(self) -> int:
+        """Read what metrics.jsonl gained; returns how many lines it has now."""
+        with self._lock:
+            path = self.run.metrics_path
+            try:
+                size = path.stat().st_size
+            except OSError:
+                size = 0
+            if size < self._offset:  # cut short (a torn line removed on resume) or replaced
+                self.series, self._offset = Series(), 0
+            if size > self._offset:
+                with path.open("rb") as handle:
+                    handle.seek(self._offset)
+                    data = handle.read(size - self._offset)
+                end = data.rfind(b"\n") + 1  # a line still being written waits for its newline
+                self._offset += end
+                for line in data[:end].splitlines():
+                    try:
+                        record = orjson.loads(line)
+                    except orjson.JSONDecodeError:
+                        continue  # a torn line a killed run left (cut off when it resumes)
+                    if isinstance(record, dict):
+                        self.series.add(record)
+            return len(self.series.steps)
+
+    def rows(self, start: int) -> tuple[int, list[dict[str, Any]]]:
+        """The lines from ``start`` on (the live stream): (lines now, rows)."""
+        with self._lock:
+            series = self.series
+            return len(series.steps), [series.row(line) for line in range(start, len(series.steps))]
+
+    # -- what the page asks for -----------------------------------------------------------------------
+    def summary(self) -> dict[str, Any]:
+        """The runs table's row (reads config, report and the records' tail)."""
+        self.refresh()
+        config = _read_json(self.run.config_path) or {}
+        report = _read_json(self.run.report_path)
+        series = self.series
+        status = report.get("status", "completed") if report else self._status_without_report()
+        started = _mtime(self.run.config_path)
+        loss = report.get("final_loss") if report else (series.loss[-1] if series.loss else None)
+        sps = report.get("samples_per_s") if report else (series.samples_per_s[-1] if series.samples_per_s else None)
+        restarts = report.get("restarts") if report else len(read_records(self.run.recovery_path))
+        return {
+            "id": self.id, "status": status, "task": config.get("task"), "strategy": config.get("strategy"),
+            "world": report.get("world_size") if report else _world(self.run, config),
+            "steps": series.steps[-1] if series.steps else (report or {}).get("steps", 0),
+            "total_steps": (report or {}).get("steps") or config.get("steps"),
+            "loss": _finite(loss), "samples_per_s": _finite(sps), "restarts": restarts,
+            "started": started, "fault_tolerance": (config.get("recovery") or {}).get("fault_tolerance"),
+        }
+
+    def _status_without_report(self) -> str:
+        latest = max([_mtime(self.run.metrics_path) or 0.0, *(_mtime(p) or 0.0 for p in _heartbeats(self.run))])
+        return "running" if time.time() - latest <= RUNNING_WITHIN_S else "stopped"
+
+    def detail(self) -> dict[str, Any]:
+        """The run page's fixed parts: summary, config, plan, report, memory, pipeline, events."""
+        summary = self.summary()
+        report = _read_json(self.run.report_path) or {}
+        return {
+            **summary,
+            "config": _read_json(self.run.config_path) or {},
+            "plan": _read_json(self.run.plan_path) or {},
+            "report": report,
+            "memory": report.get("memory") or [],
+            "pipeline": report.get("pipeline"),
+            "events": self.events(),
+            "ranks": self.series.ranks,
+            "lines": len(self.series.steps),
+        }
+
+    def events(self) -> list[dict[str, Any]]:
+        """What happened to the job, by step, for the timeline: injected faults (kill, hang), worker
+        errors, restarts and resumes (recovery.jsonl), live recoveries and replica restarts (per-step
+        replica logs), steps without every replica (metrics lines) and the first flag of each straggler."""
+        events: list[dict[str, Any]] = []
+        for fault in read_records(self.run.faults_path):
+            if fault.get("kind") == "slow":
+                continue
+            step = fault.get("step")
+            events.append({"kind": fault.get("kind", "fault"), "step": step, "rank": fault.get("rank"),
+                           "time": fault.get("time"),
+                           "text": f"{fault.get('kind')} of rank {fault.get('rank')} at step {step} (injected)"})
+        for failure in read_records(self.run.failures_path):
+            step = failure.get("step")
+            events.append({"kind": "error", "step": None if step is None else step + 1, "rank": failure.get("rank"),
+                           "time": failure.get("time"), "text": f"rank {failure.get('rank')}: {failure.get('error')}"})
+        for event in read_records(self.run.recovery_path):
+            downtime = event.get("downtime_s")
+            events.append({"kind": "restart", "step": event.get("failed_at_step"), "attempt": event.get("attempt"),
+                           "text": f"restart {event.get('attempt')}: the group stopped after step "
+                                   f"{event.get('failed_at_step')}" + (f", down {downtime:.1f} s" if downtime else "")})
+            events.append({"kind": "resume", "step": event.get("resumed_from_step"), "attempt": event.get("attempt"),
+                           "text": f"resumed from the checkpoint of step {event.get('resumed_from_step')}, "
+                                   f"{event.get('steps_redone')} step(s) redone"})
+        events.extend(self._replica_events())
+        for _, spans in self.series.kept_extras("degraded_steps"):
+            for span in spans:
+                first, last = span["steps"]
+                events.append({"kind": "degraded", "step": first, "until": last,
+                               "participants": span["participants"],
+                               "text": f"steps {first}-{last} trained by replica group(s) "
+                                       f"{', '.join(map(str, span['participants']))} only"})
+        flagged: dict[int, int] = {}
+        for line, ranks in self.series.kept_extras("stragglers"):
+            step = self.series.steps[line]
+            for rank in ranks:
+                flagged.setdefault(rank, step)
+        for rank, step in sorted(flagged.items()):
+            events.append({"kind": "straggler", "step": step, "rank": rank, "text": f"rank {rank} flagged a straggler"})
+        return sorted(events, key=lambda e: (e["step"] if e.get("step") is not None else -1, e["kind"]))
+
+    def _replica_events(self) -> list[dict[str, Any]]:
+        events = []
+        for (group, _rank), path in self.run.replica_logs().items():
+            for line in read_records(path, many_writers=True):
+                if line.get("event") == "start" and line.get("attempt", 0) > 0:
+                    events.append({"kind": "replica_restart", "step": line.get("step"), "replica": group,
+                                   "text": f"replica group {group} restarted (attempt {line['attempt']}), "
+                                           f"from step {line.get('step')}"})
+                elif line.get("event") == "received":
+                    events.append({"kind": "live_recovery", "step": line.get("step"), "replica": group,
+                                   "text": f"replica group {group} recovered live: the state of step "
+                                           f"{line.get('step')} from its peers"})
+        return events
+
+    def series_payload(self, lo_step: float | None, hi_step: float | None, points: int,
+                       rank: str = "all") -> dict[str, Any]:
+        """The charts' data between two steps, at most ``points`` points a series: bucket means (the
+        straggler score: the bucket's highest, so a slow rank is never averaged away); the split of
+        ``rank`` (or the mean over ranks); each rank's mean split over the range."""
+        self.refresh()
+        with self._lock:
+            return self._series_payload(lo_step, hi_step, points, rank)
+
+    def _series_payload(self, lo_step: float | None, hi_step: float | None, points: int,
+                        rank: str) -> dict[str, Any]:
+        series = self.series
+        kept = np.asarray(series.kept, dtype=np.int64)
+        steps = np.asarray(series.steps, dtype=np.int64)[kept]
+        lo = int(np.searchsorted(steps, lo_step, "left")) if lo_step is not None else 0
+        hi = int(np.searchsorted(steps, hi_step, "right")) if hi_step is not None else len(steps)
+        lines = kept[lo:hi]
+        count = len(lines)
+        edges = _buckets(count, points)
+        picked = steps[lo:hi]
+        payload: dict[str, Any] = {
+            "id": self.id, "lines": len(series.steps), "points_total": len(steps), "from": lo, "to": hi,
+            "per_point": count / (len(edges) - 1) if count else 1, "ranks": series.ranks,
+            "steps": (picked[np.maximum(edges[1:] - 1, 0)] if count else picked).tolist(),
+            "first_step": int(steps[0]) if len(steps) else None, "last_step": int(steps[-1]) if len(steps) else None,
+        }
+        for key, digits in (("loss", 6), ("lr", 8), ("samples_per_s", 1)):
+            payload[key] = _clean(_reduce(series.column(key, lines), edges, "mean"), digits) if count else []
+        if not series.ranks:
+            count = 0
+        payload["straggler"] = _clean(_reduce(series.matrix("straggler_score", lines), edges, "max").T, 3) \
+            if count else []
+        split: dict[str, Any] = {}
+        means: dict[str, Any] = {}
+        for key in (*SPLIT_KEYS, "step_ms"):
+            values = series.matrix(key, lines) if count else np.zeros((0, len(series.ranks)))
+            if rank.isdigit() and int(rank) in series.ranks:
+                column = values[:, series.ranks.index(int(rank))]
+            else:
+                column = _nanmean(values, axis=1) if count else np.zeros(0)
+            split[key] = _clean(_reduce(column, edges, "mean"), 3) if count else []
+            means[key] = _clean(_nanmean(values, axis=0), 3) if count else []
+        payload["split"], payload["split_of"], payload["rank_means"] = split, rank, means
+        evals = [extra for _, extra in series.kept_extras("eval")]
+        payload["eval"] = [e for batch in evals for e in batch
+                           if (lo_step is None or e.get("step", 0) >= lo_step)
+                           and (hi_step is None or e.get("step", 0) <= hi_step)]
+        return payload
+
+
+def _nanmean(values: np.ndarray, axis: int) -> np.ndarray:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return np.nanmean(values, axis=axis)
+
+
+def _mtime(path: Path) -> float | None:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return None
+
+
+def _heartbeats(run: RunDir) -> list[Path]:
+    try:
+        return list(run.heartbeats.iterdir())
+    except OSError:
+        return []
+
+
+def _world(run: RunDir, config: dict[str, Any]) -> int | None:
+    plan = _read_json(run.plan_path) or {}
+    return plan.get("processes") or config.get("workers")
+
+
+class RunCatalog:
+    """The runs under ``--runs``, found again on every listing (a new run shows up without a restart);
+    each run's records kept between calls so only what a run appends is read again."""
+
+    def __init__(self, root: Path | None) -> None:
+        self.root = root
+        self._views: dict[str, RunView] = {}
+        self._lock = threading.Lock()
+
+    def ids(self) -> dict[str, Path]:
+        return find_runs(self.root) if self.root is not None else {}
+
+    def view(self, run_id: str) -> RunView | None:
+        """The run of that id, or None (an id is a path found under ``--runs``, never one from the
+        request: ``..`` or an absolute path finds nothing)."""
+        with self._lock:
+            if run_id in self._views and self._views[run_id].run.config_path.is_file():
+                return self._views[run_id]
+            path = self.ids().get(run_id)
+            if path is None:
+                return None
+            self._views[run_id] = RunView(run_id, path)
+            return self._views[run_id]
+
+    def summaries(self) -> list[dict[str, Any]]:
+        rows = []
+        for run_id in self.ids():
+            view = self.view(run_id)
+            if view is not None:
+                rows.append(view.summary())
+        return sorted(rows, key=lambda r: -(r["started"] or 0))
+
+    def id_of(self, path: str | os.PathLike[str] | None) -> str | None:
+        """The id of a run directory given by its path (a registry version's source run), if it is one
+        of ours."""
+        if not path or self.root is None:
+            return None
+        try:
+            relative = Path(path).resolve().relative_to(self.root.resolve()).as_posix()
+        except ValueError:
+            return None
+        return relative if relative in self.ids() else None
