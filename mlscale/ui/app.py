@@ -56,7 +56,8 @@ class UiSettings:
 
 
 def json_response(data: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(data, option=orjson.OPT_SERIALIZE_NUMPY), status, media_type="application/json")
+    options = orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS  # registry rows: keys and values as stored
+    return Response(orjson.dumps(data, option=options, default=str), status, media_type="application/json")
 
 
 class TokenGate:

@@ -251,7 +251,8 @@ class RunView:
         }
 
     def _status_without_report(self) -> str:
-        latest = max([_mtime(self.run.metrics_path) or 0.0, *(_mtime(p) or 0.0 for p in _heartbeats(self.run))])
+        latest = max([_mtime(self.run.config_path) or 0.0, _mtime(self.run.metrics_path) or 0.0,
+                      *(_mtime(p) or 0.0 for p in _heartbeats(self.run))])
         return "running" if time.time() - latest <= RUNNING_WITHIN_S else "stopped"
 
     def detail(self) -> dict[str, Any]:
@@ -295,13 +296,10 @@ class RunView:
                            "text": f"resumed from the checkpoint of step {event.get('resumed_from_step')}, "
                                    f"{event.get('steps_redone')} step(s) redone"})
         events.extend(self._replica_events())
-        for _, spans in self.series.kept_extras("degraded_steps"):
-            for span in spans:
-                first, last = span["steps"]
-                events.append({"kind": "degraded", "step": first, "until": last,
-                               "participants": span["participants"],
-                               "text": f"steps {first}-{last} trained by replica group(s) "
-                                       f"{', '.join(map(str, span['participants']))} only"})
+        for first, last, members in self._degraded_spans():
+            events.append({"kind": "degraded", "step": first, "until": last, "participants": members,
+                           "text": f"steps {first}-{last} trained by replica group(s) "
+                                   f"{', '.join(map(str, members))} only"})
         flagged: dict[int, int] = {}
         for line, ranks in self.series.kept_extras("stragglers"):
             step = self.series.steps[line]
@@ -311,14 +309,30 @@ class RunView:
             events.append({"kind": "straggler", "step": step, "rank": rank, "text": f"rank {rank} flagged a straggler"})
         return sorted(events, key=lambda e: (e["step"] if e.get("step") is not None else -1, e["kind"]))
 
+    def _degraded_spans(self) -> list[tuple[int, int, list[int]]]:
+        """Steps trained without every replica group, one span per stretch with the same groups (each
+        metrics line reports the part of a stretch in its own window)."""
+        spans: list[tuple[int, int, list[int]]] = []
+        for _, reported in self.series.kept_extras("degraded_steps"):
+            for span in reported:
+                first, last = span["steps"]
+                members = list(span["participants"])
+                if spans and spans[-1][2] == members and first <= spans[-1][1] + 1:
+                    spans[-1] = (spans[-1][0], max(last, spans[-1][1]), members)
+                else:
+                    spans.append((first, last, members))
+        return spans
+
     def _replica_events(self) -> list[dict[str, Any]]:
         events = []
         for (group, _rank), path in self.run.replica_logs().items():
-            for line in read_records(path, many_writers=True):
+            for line in read_records(path):
                 if line.get("event") == "start" and line.get("attempt", 0) > 0:
-                    events.append({"kind": "replica_restart", "step": line.get("step"), "replica": group,
-                                   "text": f"replica group {group} restarted (attempt {line['attempt']}), "
-                                           f"from step {line.get('step')}"})
+                    step = line.get("step") or None  # a replacement with no checkpoint starts at 0: its
+                    # place on the timeline is its live recovery
+                    events.append({"kind": "replica_restart", "step": step, "replica": group,
+                                   "text": f"replica group {group} restarted (attempt {line['attempt']})"
+                                           + (f", from step {step}" if step else ", to recover its state live")})
                 elif line.get("event") == "received":
                     events.append({"kind": "live_recovery", "step": line.get("step"), "replica": group,
                                    "text": f"replica group {group} recovered live: the state of step "

@@ -62,7 +62,8 @@ def parse_scrape(metrics_text: str, stats: list[dict[str, Any]], at: float) -> S
     scrape = Scrape(at, stats=stats)
     for family in text_string_to_metric_families(metrics_text):
         for sample in family.samples:
-            key = (sample.name, tuple(sorted(sample.labels.items())))
+            name = sample.name.removesuffix("_total")  # a counter's sample, by its family's name
+            key = (name, tuple(sorted(sample.labels.items())))
             scrape.samples[key] = scrape.samples.get(key, 0.0) + float(sample.value)
     return scrape
 

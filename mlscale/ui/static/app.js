@@ -23,7 +23,7 @@ function el(tag, attrs, ...children) {
     else if (key.startsWith("on")) node.addEventListener(key.slice(2), value);
     else node.setAttribute(key, value === true ? "" : value);
   }
-  for (const child of children.flat()) {
+  for (const child of children.flat(Infinity)) {
     if (child === undefined || child === null || child === false) continue;
     node.append(child instanceof Node ? child : document.createTextNode(String(child)));
   }
@@ -406,7 +406,9 @@ function versionCard(v) {
   const rows = [
     ["source run", [run, " ", badge(state, state)]],
     ["training", `${t.task}, ${t.strategy}, ${t.workers} worker(s), batch ${t.batch_size}, lr ${t.lr}, seed ${t.seed}, ${t.dtype}`],
-    ["metrics", Object.entries(v.metrics).filter(([, x]) => typeof x === "number").map(([k, x]) => `${k} ${fmt(x, 4)}`).join(", ") || "–"],
+    ["metrics", Object.entries(v.metrics).flatMap(([k, x]) => typeof x === "number" ? [[k, x]]
+      : x && typeof x === "object" ? Object.entries(x).filter(([, y]) => typeof y === "number").map(([j, y]) => [`${k} ${j}`, y]) : [])
+      .map(([k, x]) => `${k} ${fmt(x, 4)}`).join(", ") || "–"],
     ["data", v.data_fingerprint || "–"],
     ["features", v.features ? `${v.features.service}: ${v.features.features.join(", ")}` : "–"],
     ["ONNX parity", onnx.length ? onnx.map((a) => `max abs ${fmt(a.parity.max_abs_err)} · max rel ${fmt(a.parity.max_rel_err)} (${a.parity.samples} inputs)`).join("; ") : "not exported"],
