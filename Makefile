@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU build of torch: a plain `torch` would pull a multi-GB CUDA build. GPU users install their own.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test test-gpu lint bench-train proto flags clean
+.PHONY: demo test test-gpu lint bench-train proto flags ui-assets clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -45,6 +45,12 @@ proto: $(BIN)/.installed
 # mlscale train's flags, generated from the options models in mlscale/config.py (committed; a test checks them)
 flags: $(BIN)/.installed
 	$(BIN)/python -m mlscale.cli_train
+
+# mlscale ui's charting asset (mlscale/ui/static/echarts.min.js, committed): Apache ECharts from the npm
+# registry at the versions web/package-lock.json pins, only the charts the pages use, minified by esbuild.
+# Users never run this; run it after changing web/charts.mjs.
+ui-assets:
+	cd web && npm ci --no-audit --no-fund && npm run build
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

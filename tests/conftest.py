@@ -72,6 +72,7 @@ SLOW_FIRST = (
     "tests/test_readme.py",
     "tests/test_demo.py",
     "tests/train/test_fault_tolerance.py",
+    "tests/ui/test_browser.py",
     "tests/train/test_model_parallel.py",
     "tests/train/test_user_models.py",
     "tests/train/test_user_models_sharded.py",

@@ -120,6 +120,9 @@ FORBIDDEN = {
     "tasks": ("mlscale.train", "mlscale.bench", "mlscale.serve", "mlscale.registry", "mlscale.export",
               "mlscale.deploy"),
     "train": ("mlscale.bench", "mlscale.serve", "mlscale.registry", "mlscale.export", "mlscale.deploy"),
+    # the UI reads run directories, the registry and servers' own metrics: it runs none of them
+    "ui": ("mlscale.train", "mlscale.bench", "mlscale.serve", "mlscale.export", "mlscale.deploy", "mlscale.config",
+           "mlscale.tasks", "mlscale.features", "mlscale.data"),
     # manifests name the commands (mlscale train, mlscale serve) and never run their code
     "deploy": ("mlscale.bench", "mlscale.serve", "mlscale.export", "mlscale.features"),
 }
@@ -150,3 +153,10 @@ def test_reading_a_runs_config_the_way_the_registry_does_imports_no_training(tmp
                             "from mlscale.config import TrainConfig\nfrom mlscale.rundir import RunDir\n"
                             f"TrainConfig(**RunDir({str(tmp_path)!r}).read_config())")
     assert sorted(m for m in loaded if _under(m, ("mlscale.train",))) == []
+
+
+def test_the_ui_loads_no_torch():
+    """`mlscale ui` on a login node or a laptop: the app, its run reader and the registry view import no
+    torch (the registry's model loading is lazy)."""
+    loaded = _modules_after("from mlscale.ui.app import build_app, UiSettings\nbuild_app(UiSettings())")
+    assert sorted(m for m in loaded if m == "torch" or m.startswith(("torch.", "mlscale.train"))) == []

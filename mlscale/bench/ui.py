@@ -42,7 +42,8 @@ def write_synthetic_run(path: Path, steps: int, ranks: int, log_every: int = 10,
     run = RunDir(path)
     path.mkdir(parents=True, exist_ok=True)
     run.write_config({"task": "synthetic", "strategy": "ddp", "workers": ranks, "steps": steps, "seed": seed,
-                      "batch_size": 32, "records": {"log_every": log_every}, "recovery": {"fault_tolerance": "restart"}})
+                      "batch_size": 32, "records": {"log_every": log_every},
+                      "recovery": {"fault_tolerance": "restart"}})
     (run.plan_path).write_bytes(orjson.dumps({"processes": ranks, "data_shards": ranks}))
     rng = np.random.default_rng(seed)
     logged = np.arange(log_every, steps + 1, log_every)
@@ -88,7 +89,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=int, default=100_000, help="steps of the run (default 100000)")
     p.add_argument("--ranks", type=int, default=64, help="ranks of the run (default 64)")
     p.add_argument("--log-every", type=int, action="append", default=None,
-                   help="metrics line every K steps; repeat for several runs (default 10, the trainer's default, and 1)")
+                   help="metrics line every K steps; repeat for several runs (default: 10, the trainer's "
+                   "default, and 1)")
     p.add_argument("--repeats", type=int, default=5, help="page loads per case (default 5)")
     p.add_argument("--scratch", default=None, help="where the run directories are written (default a temp folder)")
 
@@ -112,7 +114,8 @@ def start_ui(runs: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
             return process, url
         except OSError:
             if process.poll() is not None:
-                raise RuntimeError(f"mlscale ui exited: {process.stderr.read().decode() if process.stderr else ''}")
+                raise RuntimeError(f"mlscale ui exited: {process.stderr.read().decode() if process.stderr else ''}") \
+                    from None
             time.sleep(0.1)
     process.kill()
     raise RuntimeError("mlscale ui did not answer within 60 s")
@@ -136,9 +139,9 @@ def _api_ms(url: str) -> tuple[float, int]:
 
 
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
-    from playwright.sync_api import sync_playwright
-
     import tempfile
+
+    from playwright.sync_api import sync_playwright
 
     scratch = Path(args.scratch or tempfile.mkdtemp(prefix="mlscale-bench-ui-"))
     cases = []
@@ -159,8 +162,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
                     cold.append(_page_load_ms(browser, f"{url}/#/run/long"))
                     warm.append(_page_load_ms(browser, f"{url}/#/run/long"))
                     api_warm.append(_api_ms(f"{url}/api/series?id=long&points=600")[0])
-                    last = args.steps // 2
-                    zoom.append(_api_ms(f"{url}/api/series?id=long&points=600&from={last}&to={last + 300 * log_every}")[0])
+                    middle, span = args.steps // 2, 300 * log_every  # 300 lines: every record of them
+                    zoom.append(_api_ms(f"{url}/api/series?id=long&points=600&from={middle}&to={middle + span}")[0])
                 finally:
                     process.terminate()
                     process.wait(10)

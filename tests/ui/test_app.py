@@ -62,7 +62,7 @@ def test_a_token_guards_every_request_and_is_never_printed(tmp_path):
 
 
 def test_read_only_with_a_content_security_policy_and_unknown_runs_are_404(tmp_path):
-    with running_ui("--runs", str(_runs(tmp_path))) as (base, process):
+    with running_ui("--runs", str(_runs(tmp_path))) as (base, _):
         page = httpx.get(f"{base}/")
         assert page.status_code == 200 and "script-src 'self'" in page.headers["content-security-policy"]
         assert "<script src=\"/static/echarts.min.js\"" in page.text and "http" not in page.text.split("<body>")[0]

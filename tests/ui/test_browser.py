@@ -171,9 +171,9 @@ def test_the_serving_page_follows_a_server_under_load(browser, made, screenshots
               for i in range(256)]  # held-out rows, each its own request: answers computed, not cache hits
     stop = threading.Event()
     with running_server(registry_path, "models:/digits@production", "--no-grpc") as (server, _):
-        def load() -> None:
+        def load(offset: int) -> None:
             with httpx.Client(base_url=server, timeout=10) as client:
-                for n in itertools.count():
+                for n in itertools.count(offset, 2):
                     if stop.is_set():
                         return
                     body = bodies[n % len(bodies)]
@@ -182,7 +182,7 @@ def test_the_serving_page_follows_a_server_under_load(browser, made, screenshots
                     client.post("/v2/models/digits/infer", json=unique)
                     time.sleep(0.005)
 
-        loaders = [threading.Thread(target=load, daemon=True) for _ in range(2)]
+        loaders = [threading.Thread(target=load, args=(offset,), daemon=True) for offset in range(2)]
         for loader in loaders:
             loader.start()
         try:

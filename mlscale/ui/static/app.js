@@ -464,7 +464,8 @@ function fillServer(s, i) {
   card.querySelector(".versions-table").replaceChildren(
     el("thead", {}, el("tr", {}, ["model", "version", "role", "share %", "goodput/s", "answers/s", "failed/s", "p50 ms", "p90 ms", "p99 ms", "queue", "cache hits"].map((h) => el("th", {}, h)))),
     el("tbody", {}, s.versions.map((v) => el("tr", { "data-version": `${v.model}/${v.version}` },
-      el("td", {}, v.model), el("td", {}, v.version), el("td", {}, v.role), el("td", { class: "num" }, fmt(v.share_percent, 1)),
+      el("td", {}, v.model), el("td", {}, v.version), el("td", {}, v.role),
+      el("td", { class: "num" }, v.share_percent ? fmt(v.share_percent, 1) : "–"),
       el("td", { class: "num" }, fmt(v.goodput_per_s, 1)), el("td", { class: "num" }, fmt(v.answered_per_s, 1)),
       el("td", { class: "num" }, fmt(v.failed_per_s, 1)), el("td", { class: "num" }, fmt(v.latency_ms.p50, 2)),
       el("td", { class: "num" }, fmt(v.latency_ms.p90, 2)), el("td", { class: "num" }, fmt(v.latency_ms.p99, 2)),
@@ -486,6 +487,8 @@ function fillServer(s, i) {
   draw(`srv${i}-traffic`, { ...small, xAxis: { type: "category", data: s.versions.map((v) => `${v.model} v${v.version} (${v.role})`) }, yAxis: { type: "value" },
     series: [{ name: "answers/s", type: "bar", data: s.versions.map((v) => v.answered_per_s ?? 0) }] });
   const features = [...new Set(s.versions.flatMap((v) => Object.keys(v.skew)))];
+  const skewBox = document.getElementById(`srv${i}-skew`);
+  skewBox.dataset.empty = features.length ? "" : "no feature model served here (skew is measured for models trained on a feature service)";
   draw(`srv${i}-skew`, { ...small, xAxis: { type: "category", data: features }, yAxis: { type: "value", name: "distance" },
     series: s.versions.filter((v) => Object.keys(v.skew).length).map((v) => ({ name: `${v.model} v${v.version}`, type: "bar", data: features.map((f) => v.skew[f] ?? null) })) });
 }
