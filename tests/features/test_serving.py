@@ -117,6 +117,13 @@ def test_the_server_measures_skew_and_the_cli_gates_on_it(trained, tmp_path):
         SQLiteStore(store).write("activity", shifted)  # the pipeline upstream broke: spend 50x
         for _ in range(6):
             httpx.post(f"{base}/predict", json={"entities": [{"user_id": u} for u in range(50)]})
+        served = {line.split('feature="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+                  for line in httpx.get(f"{base}/metrics").text.splitlines()
+                  if line.startswith("mlscale_feature_skew{")}
+        from mlscale.ui.serving import ServerWatch  # the UI's serving page reads the same gauges
+
+        skew = ServerWatch(base, slo_ms=100).poll()["versions"][0]["skew"]
+        assert skew == pytest.approx(served) and skew["spend"] > skew["age"]
     report = run_cli("features", "skew", "models:/churn/1", "--log", str(log), "--registry", registry, "--json")
     assert report.returncode == 1, report.stderr  # past the threshold: a pipeline stops here
     rows = {row["feature"]: row for row in json.loads(report.stdout)["features"]}
