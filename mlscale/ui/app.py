@@ -196,5 +196,7 @@ def build_app(settings: UiSettings) -> Starlette:
         Route("/api/registry/model", registry_model), Route("/api/servers", servers),
         Mount("/static", StaticFiles(directory=STATIC), name="static"),
     ]
-    return Starlette(routes=routes, exception_handlers={LookupError: not_found, MlscaleError: refused},
-                     middleware=[Middleware(SecurityHeaders), Middleware(TokenGate, token=settings.token)])
+    app = Starlette(routes=routes, exception_handlers={LookupError: not_found, MlscaleError: refused},
+                    middleware=[Middleware(SecurityHeaders), Middleware(TokenGate, token=settings.token)])
+    app.state.catalog = catalog
+    return app

@@ -8,7 +8,7 @@ are the UI's only source, so what the page shows is what ``metrics.jsonl`` and t
 
 from __future__ import annotations
 
-import itertools
+import json
 import math
 import operator
 import os
@@ -31,6 +31,8 @@ SPLIT_KEYS = ("compute_ms", "comm_exposed_ms", "data_wait_ms", "optimizer_ms")
 RANK_KEYS = ("step_ms", *SPLIT_KEYS, "comm_ms", "straggler_score")
 RUNNING_WITHIN_S = 60.0  # a run without a report whose heartbeats or records moved this recently is running
 MAX_DEPTH = 3  # how deep under --runs run directories are looked for
+WARM_RUNS = 8  # runs whose records the UI reads when it starts, the most recently started first
+HEAT_CELLS = 12_000  # the straggler heat map's budget: drawn in well under a second, finer than its pixels
 
 
 def find_runs(root: Path) -> dict[str, Path]:
@@ -135,14 +137,12 @@ class Series:
                 "per_rank": {str(int(e[0])): dict(zip(RANK_KEYS, e[1:])) for e in entries},
                 **self.extras.get(line, {})}
 
-    def column(self, key: str, lines: np.ndarray) -> np.ndarray:
-        return np.asarray(getattr(self, key), dtype=np.float64)[lines]
-
-    def matrix(self, key: str, lines: np.ndarray) -> np.ndarray:
-        """``lines`` x ranks of one per-rank key (NaN where a rank has no value on a line)."""
+    def standing(self, key: str) -> np.ndarray:
+        """A column (``loss``, ``lr``, ``samples_per_s``, ``steps``) or a per-rank key's lines x ranks
+        matrix, on the lines that stand (``kept``); laid out once per growth of the records."""
         if key not in self._matrices:
             self._layout()
-        return self._matrices[key][lines]
+        return self._matrices[key]
 
     def _layout(self) -> None:
         flat = np.frombuffer(self.flat, dtype=np.float64).reshape(-1, _WIDTH) if self.flat else np.zeros((0, _WIDTH))
@@ -151,10 +151,13 @@ class Series:
         known = np.isin(flat[:, 0], self.ranks)  # an entry without a rank number is left out
         flat, lines = flat[known], lines[known]
         ranks = np.searchsorted(self.ranks, flat[:, 0].astype(np.int64))
+        kept = np.asarray(self.kept, dtype=np.int64)
         for i, key in enumerate(RANK_KEYS):
             out = np.full((len(self.steps), len(self.ranks)), np.nan)
             out[lines, ranks] = flat[:, 1 + i]
-            self._matrices[key] = out
+            self._matrices[key] = out[kept]
+        for key in ("steps", "loss", "lr", "samples_per_s"):
+            self._matrices[key] = np.asarray(getattr(self, key), dtype=np.float64)[kept]
 
     def kept_extras(self, key: str) -> list[tuple[int, Any]]:
         """(line, value) of one of the extras, on the lines that stand."""
@@ -169,16 +172,18 @@ def _buckets(count: int, points: int) -> np.ndarray:
 
 
 def _reduce(values: np.ndarray, edges: np.ndarray, how: str) -> np.ndarray:
-    """Per bucket (axis 0) mean or max, NaN-aware; a bucket of one line is that line."""
-    if len(edges) - 1 == len(values):
+    """Per bucket (axis 0) mean or max, NaN left out (an all-NaN bucket stays NaN); a bucket of one line
+    is that line."""
+    if len(edges) - 1 == len(values) or not len(values):
         return values
-    fn = np.nanmax if how == "max" else np.nanmean
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # an all-NaN bucket stays NaN
-        return np.stack([fn(values[a:b], axis=0) for a, b in itertools.pairwise(edges)]) if len(values) \
-            else values
+    starts = edges[:-1]
+    if how == "max":
+        return np.fmax.reduceat(values, starts, axis=0)
+    seen = ~np.isnan(values)
+    sums = np.add.reduceat(np.where(seen, values, 0.0), starts, axis=0)
+    counts = np.add.reduceat(seen, starts, axis=0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
 
 
 def _clean(values: np.ndarray, digits: int = 4) -> list[Any]:
@@ -218,7 +223,10 @@ class RunView:
                     try:
                         record = orjson.loads(line)
                     except orjson.JSONDecodeError:
-                        continue  # a torn line a killed run left (cut off when it resumes)
+                        try:  # NaN or Infinity (a diverged loss, as Python's json writes it): the slow way
+                            record = json.loads(line)
+                        except ValueError:
+                            continue  # a torn line a killed run left (cut off when it resumes)
                     if isinstance(record, dict):
                         self.series.add(record)
             return len(self.series.steps)
@@ -351,12 +359,10 @@ class RunView:
     def _series_payload(self, lo_step: float | None, hi_step: float | None, points: int,
                         rank: str) -> dict[str, Any]:
         series = self.series
-        kept = np.asarray(series.kept, dtype=np.int64)
-        steps = np.asarray(series.steps, dtype=np.int64)[kept]
+        steps = series.standing("steps").astype(np.int64) if series.steps else np.zeros(0, dtype=np.int64)
         lo = int(np.searchsorted(steps, lo_step, "left")) if lo_step is not None else 0
         hi = int(np.searchsorted(steps, hi_step, "right")) if hi_step is not None else len(steps)
-        lines = kept[lo:hi]
-        count = len(lines)
+        count = max(0, hi - lo)
         edges = _buckets(count, points)
         picked = steps[lo:hi]
         payload: dict[str, Any] = {
@@ -366,21 +372,23 @@ class RunView:
             "first_step": int(steps[0]) if len(steps) else None, "last_step": int(steps[-1]) if len(steps) else None,
         }
         for key, digits in (("loss", 6), ("lr", 8), ("samples_per_s", 1)):
-            payload[key] = _clean(_reduce(series.column(key, lines), edges, "mean"), digits) if count else []
-        if not series.ranks:
-            count = 0
-        payload["straggler"] = _clean(_reduce(series.matrix("straggler_score", lines), edges, "max").T, 3) \
-            if count else []
+            payload[key] = _clean(_reduce(series.standing(key)[lo:hi], edges, "mean"), digits) if count else []
+        ranked = count if series.ranks else 0
+        # the heat map: at most HEAT_CELLS cells (a canvas rectangle each), never fewer columns than 100
+        heat_edges = _buckets(ranked, max(100, min(points, HEAT_CELLS // max(1, len(series.ranks)))))
+        payload["heat_steps"] = (picked[np.maximum(heat_edges[1:] - 1, 0)] if ranked else picked[:0]).tolist()
+        payload["straggler"] = _clean(_reduce(series.standing("straggler_score")[lo:hi], heat_edges, "max").T, 3) \
+            if ranked else []
         split: dict[str, Any] = {}
         means: dict[str, Any] = {}
         for key in (*SPLIT_KEYS, "step_ms"):
-            values = series.matrix(key, lines) if count else np.zeros((0, len(series.ranks)))
+            values = series.standing(key)[lo:hi] if ranked else np.zeros((0, len(series.ranks)))
             if rank.isdigit() and int(rank) in series.ranks:
                 column = values[:, series.ranks.index(int(rank))]
             else:
-                column = _nanmean(values, axis=1) if count else np.zeros(0)
-            split[key] = _clean(_reduce(column, edges, "mean"), 3) if count else []
-            means[key] = _clean(_nanmean(values, axis=0), 3) if count else []
+                column = _nanmean(values, axis=1) if ranked else np.zeros(0)
+            split[key] = _clean(_reduce(column, edges, "mean"), 3) if ranked else []
+            means[key] = _clean(_nanmean(values, axis=0), 3) if ranked else []
         payload["split"], payload["split_of"], payload["rank_means"] = split, rank, means
         evals = [extra for _, extra in series.kept_extras("eval")]
         payload["eval"] = [e for batch in evals for e in batch
@@ -447,6 +455,15 @@ class RunCatalog:
             if view is not None:
                 rows.append(view.summary())
         return sorted(rows, key=lambda r: -(r["started"] or 0))
+
+    def read_ahead(self, runs: int = WARM_RUNS) -> None:
+        """Read the records of the most recently started runs now (the UI does this in the background when
+        it starts), so that opening one finds them read: a long run's first read takes seconds."""
+        found = sorted(self.ids().items(), key=lambda item: -(_mtime(RunDir(item[1]).config_path) or 0.0))
+        for run_id, _ in found[:runs]:
+            view = self.view(run_id)
+            if view is not None:
+                view.refresh()
 
     def id_of(self, path: str | os.PathLike[str] | None) -> str | None:
         """The id of a run directory given by its path (a registry version's source run), if it is one

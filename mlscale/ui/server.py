@@ -3,15 +3,18 @@ in use is one line, not a traceback)."""
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import socket
 import sys
+import threading
 from pathlib import Path
 
 from mlscale.errors import MlscaleError, UsageError
 from mlscale.redact import redact_url
 from mlscale.ui.app import TOKEN_ENV, UiSettings, build_app
+from mlscale.ui.runs import RunCatalog
 
 DEFAULT_RUNS = "runs"
 
@@ -70,6 +73,13 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _read_ahead(catalog: RunCatalog) -> None:
+    """The recent runs' records, read while the user opens the page; a run that cannot be read now is
+    read (and its error shown) when its page asks."""
+    with contextlib.suppress(Exception):
+        catalog.read_ahead()
+
+
 def run_ui(settings: UiSettings, host: str, port: int) -> int:
     """Serve until interrupted; the address (never the token) is printed once listening."""
     import uvicorn
@@ -81,7 +91,8 @@ def run_ui(settings: UiSettings, host: str, port: int) -> int:
     where = [f"runs: {settings.runs or 'none'}", f"registry: {registry}", f"servers: {len(settings.servers)}"]
     login = f" (open {address}?token=... with the token of ${TOKEN_ENV} or --token once)" if settings.token else ""
     print(f"mlscale ui: {address}{login}  [{', '.join(where)}]", file=sys.stderr, flush=True)
-    config = uvicorn.Config(build_app(settings), log_level="warning", lifespan="off", access_log=False,
-                            timeout_graceful_shutdown=2)
+    app = build_app(settings)
+    threading.Thread(target=_read_ahead, args=(app.state.catalog,), daemon=True, name="read-ahead").start()
+    config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, timeout_graceful_shutdown=2)
     uvicorn.Server(config).run(sockets=[sock])
     return 0

@@ -36,6 +36,7 @@ def test_records_are_read_as_they_grow_and_a_redone_step_supersedes_the_first(tm
     assert view.refresh() == 5
     payload = view.series_payload(None, None, 600)
     assert payload["steps"] == [2, 4, 6] and payload["loss"] == [2.0, 1.75, 1.55]
+    assert payload["heat_steps"] == [2, 4, 6]
     assert payload["per_point"] == 1 and payload["straggler"] == [[1.0, 1.0, 1.0], [1.0, 2.0, 1.0]]
     assert [e["kind"] for e in view.events()] == ["straggler"]  # flagged on the line that stands
     _, rows = view.rows(3)  # the live stream's rows: the lines after the third, as written
@@ -79,3 +80,13 @@ def test_runs_are_found_under_the_folder_and_an_id_is_never_a_path_from_the_requ
     catalog = RunCatalog(tmp_path / "nested")
     assert catalog.view("b") is not None and catalog.view("../a") is None and catalog.view(str(tmp_path / "a")) is None
     assert catalog.id_of(tmp_path / "nested" / "deeper" / "c") == "deeper/c" and catalog.id_of(tmp_path / "a") is None
+
+
+def test_a_diverged_loss_is_shown_as_a_gap_not_dropped(tmp_path):
+    run = RunDir(tmp_path / "run")
+    run.write_config({"task": "digits"})
+    for step, loss in ((1, 2.0), (2, float("nan")), (3, float("inf"))):
+        run.append_metrics(_line(step, loss))  # Python's json writes NaN and Infinity, which strict JSON lacks
+    view = RunView("run", run.path)
+    assert view.refresh() == 3
+    assert view.series_payload(None, None, 600)["loss"] == [2.0, None, None]

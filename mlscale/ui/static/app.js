@@ -29,9 +29,12 @@ function el(tag, attrs, ...children) {
   }
   return node;
 }
+let fetchMs = 0;  // time this view spent waiting on the API (the rest of its load is drawing)
 async function api(path) {
+  const start = performance.now();
   const response = await fetch(path, { headers: { accept: "application/json" } });
   const body = await response.json().catch(() => ({ error: response.statusText }));
+  fetchMs += performance.now() - start;
   if (!response.ok) throw new Error(body.error || response.statusText);
   return body;
 }
@@ -76,13 +79,16 @@ async function route() {
   const params = new URLSearchParams(query || "");
   const parts = path.split("/").filter(Boolean);
   document.querySelectorAll("[data-nav]").forEach((a) => a.classList.toggle("active", a.dataset.nav === parts[0]));
+  const start = performance.now();
+  fetchMs = 0;
   try {
     if (parts[0] === "run") await runPage(parts.slice(1).join("/"), params);
     else if (parts[0] === "registry" && parts.length > 1) await modelPage(parts.slice(1).join("/"));
     else if (parts[0] === "registry") await registryPage();
     else if (parts[0] === "serving") await servingPage();
     else await runsPage();
-    document.body.dataset.ready = hash;  // the view has drawn (browser tests wait for it)
+    Object.assign(document.body.dataset, { fetchMs: fetchMs.toFixed(1), viewMs: (performance.now() - start).toFixed(1) });
+    document.body.dataset.ready = hash;  // the view has drawn (browser tests and the benchmark wait for it)
   } catch (error) { failed(error); document.body.dataset.ready = hash; }
 }
 window.addEventListener("hashchange", route);
@@ -270,11 +276,11 @@ function drawHeat(state) {
     if (score !== null) { cells.push([i, r, score]); high = Math.max(high, score); }
   }));
   const threshold = state.detail.report?.straggler_detection?.threshold ?? 1.5;
-  const steps = d.steps.map(String);
-  const stepIndex = new Map(d.steps.map((s, i) => [s, i]));
-  const nearest = (step) => { let best = 0; d.steps.forEach((s, i) => { if (Math.abs(s - step) < Math.abs(d.steps[best] - step)) best = i; }); return best; };
+  const heatSteps = d.heat_steps, steps = heatSteps.map(String);
+  const stepIndex = new Map(heatSteps.map((s, i) => [s, i]));
+  const nearest = (step) => { let best = 0; heatSteps.forEach((s, i) => { if (Math.abs(s - step) < Math.abs(heatSteps[best] - step)) best = i; }); return best; };
   const lines = state.detail.events.filter((e) => ["kill", "kill_in_step", "hang", "restart", "live_recovery"].includes(e.kind) && e.step !== null
-    && e.step >= (d.steps[0] ?? 0) && e.step <= (d.steps[d.steps.length - 1] ?? 0))
+    && e.step >= (heatSteps[0] ?? 0) && e.step <= (heatSteps[heatSteps.length - 1] ?? 0))
     .map((e) => ({ xAxis: stepIndex.has(e.step) ? stepIndex.get(e.step) : nearest(e.step), lineStyle: { color: EVENT_COLORS[e.kind] }, label: { formatter: e.kind.replace(/_/g, " "), position: "insideEndTop", color: EVENT_COLORS[e.kind], fontSize: 10 } }));
   draw("chart-stragglers", { animation: false, grid: { left: 60, right: 90, top: 16, bottom: 40 },
     tooltip: { formatter: (p) => `rank ${d.ranks[p.value[1]]}, step ${steps[p.value[0]]}: ${fmt(p.value[2], 2)}× the fastest` },
@@ -315,7 +321,8 @@ function follow(state) {
   source.addEventListener("rows", (message) => {
     const rows = JSON.parse(message.data);
     const d = state.data;
-    const fullView = state.from === null && state.to === null && d.per_point <= 1.0001 && d.points_total < POINTS;
+    const fullView = state.from === null && state.to === null && d.per_point <= 1.0001 && d.points_total < POINTS
+      && d.heat_steps.length === d.steps.length;
     if (!fullView) {  // down-sampled or zoomed in: ask for the range again (at most every 2 s)
       if (!pending) { pending = true; setTimeout(() => { pending = false; refetch(state); }, 2000); }
       return;
@@ -325,6 +332,7 @@ function follow(state) {
         d.steps.pop(); d.loss.pop(); d.samples_per_s.pop();
         for (const key of Object.keys(d.split)) d.split[key].pop();
         for (const r of d.straggler) r.pop();
+        d.heat_steps.pop();
       }
       d.steps.push(row.step); d.loss.push(row.loss); d.samples_per_s.push(row.samples_per_s);
       const ranks = Object.values(row.per_rank);
@@ -333,6 +341,7 @@ function follow(state) {
         d.split[key].push(chosen.length ? chosen.reduce((a, r) => a + r[key], 0) / chosen.length : null);
       }
       d.ranks.forEach((rank, i) => { (d.straggler[i] ||= []).push(row.per_rank[rank]?.straggler_score ?? null); });
+      d.heat_steps.push(row.step);
       for (const e of row.eval || []) d.eval.push(e);
       d.last_step = row.step;
       d.points_total += 1; d.to = d.points_total; d.lines = row.line + 1;
