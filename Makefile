@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU build of torch: a plain `torch` would pull a multi-GB CUDA build. GPU users install their own.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test test-gpu lint bench-train proto flags ui-assets clean
+.PHONY: demo test test-gpu lint bench-train proto flags ui-assets ui-firefox-check clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -51,6 +51,12 @@ flags: $(BIN)/.installed
 # Users never run this; run it after changing web/charts.mjs.
 ui-assets:
 	cd web && npm ci --no-audit --no-fund && npm run build
+
+# The UI's pages in Firefox (Debian's firefox-esr) against a running `mlscale ui`: each view draws and
+# logs no error (the suite's browser tests run Chromium). URL and RUN (a run id) say what to open.
+URL ?= http://127.0.0.1:8080
+ui-firefox-check:
+	cd web && npm ci --no-audit --no-fund && node check-firefox.mjs $(URL) $(RUN)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
+import math
+import urllib.parse
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,10 +39,13 @@ COOKIE = "mlscale_ui"
 TOKEN_ENV = "MLSCALE_UI_TOKEN"
 LIVE_POLL_S = 0.5  # how often a live run's records are looked at for new lines
 MAX_POINTS = 4000
+
 # The page loads only what the package ships (no CDN, no inline script); charts draw on canvas.
 SECURITY_HEADERS = {
+    # (style attributes only: the charts' tooltips are HTML with inline styles; no inline <style> or script)
     "content-security-policy": "default-src 'self'; img-src 'self' data:; style-src 'self'; "
-                               "script-src 'self'; connect-src 'self'; frame-ancestors 'none'",
+                               "style-src-attr 'unsafe-inline'; script-src 'self'; connect-src 'self'; "
+                               "frame-ancestors 'none'",
     "x-content-type-options": "nosniff",
     "referrer-policy": "no-referrer",
     "cache-control": "no-store",
@@ -60,6 +66,15 @@ def json_response(data: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(data, option=options, default=str), status, media_type="application/json")
 
 
+def _loopback_name(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class TokenGate:
     """Every request carries the token (header or cookie) when one is set; ``/?token=`` sets the cookie."""
 
@@ -67,9 +82,16 @@ class TokenGate:
         self.app, self.token = app, token
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.token:
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
         request = Request(scope)
+        if not self.token:  # loopback, no token: only requests addressed to this machine's own names, so a
+            # page elsewhere whose name a DNS rebinding points here cannot read the API
+            host = urllib.parse.urlsplit("//" + request.headers.get("host", "")).hostname or ""
+            if not _loopback_name(host):
+                return await PlainTextResponse("mlscale ui: address it as 127.0.0.1 or localhost", 421)(
+                    scope, receive, send)
+            return await self.app(scope, receive, send)
         given = request.query_params.get("token")
         if given is not None and scope["path"] == "/" and hmac.compare_digest(given.encode(), self.token.encode()):
             response = RedirectResponse("/", 303)
@@ -147,7 +169,8 @@ def build_app(settings: UiSettings) -> Starlette:
 
     async def live(request: Request) -> Response:
         view = _view(request)
-        start = int(_number(request, "after") or 0)
+        after = _number(request, "after") or 0.0
+        start = int(after) if math.isfinite(after) and after > 0 else 0
 
         async def stream() -> AsyncIterator[bytes]:
             sent = start

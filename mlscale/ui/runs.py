@@ -31,6 +31,7 @@ SPLIT_KEYS = ("compute_ms", "comm_exposed_ms", "data_wait_ms", "optimizer_ms")
 RANK_KEYS = ("step_ms", *SPLIT_KEYS, "comm_ms", "straggler_score")
 RUNNING_WITHIN_S = 60.0  # a run without a report whose heartbeats or records moved this recently is running
 MAX_DEPTH = 3  # how deep under --runs run directories are looked for
+TAIL_BYTES = 1 << 20  # the runs table reads a run's newest metrics line from this much of its end
 WARM_RUNS = 8  # runs whose records the UI reads when it starts, the most recently started first
 HEAT_CELLS = 12_000  # the straggler heat map's budget: drawn in well under a second, finer than its pixels
 
@@ -238,21 +239,51 @@ class RunView:
             return len(series.steps), [series.row(line) for line in range(start, len(series.steps))]
 
     # -- what the page asks for -----------------------------------------------------------------------
-    def summary(self) -> dict[str, Any]:
-        """The runs table's row (reads config, report and the records' tail)."""
-        self.refresh()
-        config = _read_json(self.run.config_path) or {}
+    def report(self) -> dict[str, Any] | None:
+        """report.json, unless it is an earlier launch's: a resumed (or restarted) run writes config.json
+        again when it starts, and its report only when it ends."""
         report = _read_json(self.run.report_path)
-        series = self.series
+        if report is not None and (_mtime(self.run.config_path) or 0.0) > (_mtime(self.run.report_path) or 0.0):
+            return None
+        return report
+
+    def _last_record(self) -> dict[str, Any]:
+        """The newest metrics line: from the records if read, else from the file's tail only (the runs
+        table reads no run whole)."""
+        with self._lock:
+            if self.series.steps:
+                last = len(self.series.steps) - 1
+                return {"step": self.series.steps[last], "loss": self.series.loss[last],
+                        "samples_per_s": self.series.samples_per_s[last]}
+        try:
+            with self.run.metrics_path.open("rb") as handle:
+                handle.seek(max(0, handle.seek(0, os.SEEK_END) - TAIL_BYTES))
+                tail = handle.read()
+        except OSError:
+            return {}
+        for line in reversed(tail.splitlines()[1:] if len(tail) == TAIL_BYTES else tail.splitlines()):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                return record
+        return {}
+
+    def summary(self) -> dict[str, Any]:
+        """The runs table's row (config, report and the newest metrics line)."""
+        config = _read_json(self.run.config_path) or {}
+        report = self.report()
+        last = self._last_record()
         status = report.get("status", "completed") if report else self._status_without_report()
         started = _mtime(self.run.config_path)
-        loss = report.get("final_loss") if report else (series.loss[-1] if series.loss else None)
-        sps = report.get("samples_per_s") if report else (series.samples_per_s[-1] if series.samples_per_s else None)
+        loss = report.get("final_loss") if report else last.get("loss")
+        sps = report.get("samples_per_s") if report else last.get("samples_per_s")
         restarts = report.get("restarts") if report else len(read_records(self.run.recovery_path))
         return {
             "id": self.id, "status": status, "task": config.get("task"), "strategy": config.get("strategy"),
             "world": report.get("world_size") if report else _world(self.run, config),
-            "steps": series.steps[-1] if series.steps else (report or {}).get("steps", 0),
+            "steps": last.get("step", (report or {}).get("steps", 0)),
             "total_steps": (report or {}).get("steps") or config.get("steps"),
             "loss": _finite(loss), "samples_per_s": _finite(sps), "restarts": restarts,
             "started": started, "fault_tolerance": (config.get("recovery") or {}).get("fault_tolerance"),
@@ -265,8 +296,9 @@ class RunView:
 
     def detail(self) -> dict[str, Any]:
         """The run page's fixed parts: summary, config, plan, report, memory, pipeline, events."""
+        self.refresh()
         summary = self.summary()
-        report = _read_json(self.run.report_path) or {}
+        report = self.report() or {}
         return {
             **summary,
             "config": _read_json(self.run.config_path) or {},
@@ -436,13 +468,13 @@ class RunCatalog:
     def ids(self) -> dict[str, Path]:
         return find_runs(self.root) if self.root is not None else {}
 
-    def view(self, run_id: str) -> RunView | None:
+    def view(self, run_id: str, found: dict[str, Path] | None = None) -> RunView | None:
         """The run of that id, or None (an id is a path found under ``--runs``, never one from the
-        request: ``..`` or an absolute path finds nothing)."""
+        request: ``..`` or an absolute path finds nothing). ``found``: a listing just made."""
         with self._lock:
             if run_id in self._views and self._views[run_id].run.config_path.is_file():
                 return self._views[run_id]
-            path = self.ids().get(run_id)
+            path = (found if found is not None else self.ids()).get(run_id)
             if path is None:
                 return None
             self._views[run_id] = RunView(run_id, path)
@@ -450,8 +482,9 @@ class RunCatalog:
 
     def summaries(self) -> list[dict[str, Any]]:
         rows = []
-        for run_id in self.ids():
-            view = self.view(run_id)
+        found = self.ids()
+        for run_id in found:
+            view = self.view(run_id, found)
             if view is not None:
                 rows.append(view.summary())
         return sorted(rows, key=lambda r: -(r["started"] or 0))
@@ -459,9 +492,10 @@ class RunCatalog:
     def read_ahead(self, runs: int = WARM_RUNS) -> None:
         """Read the records of the most recently started runs now (the UI does this in the background when
         it starts), so that opening one finds them read: a long run's first read takes seconds."""
-        found = sorted(self.ids().items(), key=lambda item: -(_mtime(RunDir(item[1]).config_path) or 0.0))
-        for run_id, _ in found[:runs]:
-            view = self.view(run_id)
+        found = self.ids()
+        recent = sorted(found, key=lambda run_id: -(_mtime(RunDir(found[run_id]).config_path) or 0.0))
+        for run_id in recent[:runs]:
+            view = self.view(run_id, found)
             if view is not None:
                 view.refresh()
 

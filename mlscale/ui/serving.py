@@ -42,15 +42,17 @@ class Scrape:
         want = set(labels.items())
         return sum(v for (n, ls), v in self.samples.items() if n == name and want <= set(ls))
 
-    def label_values(self, name: str, label: str, **labels: str) -> dict[str, float]:
-        """``name`` summed by the value of ``label``, over series that include ``labels``."""
-        want, out = set(labels.items()), {}
+    def label_values(self, name: str, label: str, *, mean: bool = False, **labels: str) -> dict[str, float]:
+        """``name`` summed (``mean``: averaged, a gauge each worker reports) by the value of ``label``,
+        over series that include ``labels``."""
+        want, out, seen = set(labels.items()), {}, {}
         for (n, ls), v in self.samples.items():
             if n == name and want <= set(ls):
                 key = dict(ls).get(label)
                 if key is not None:
                     out[key] = out.get(key, 0.0) + v
-        return out
+                    seen[key] = seen.get(key, 0) + 1
+        return {key: value / seen[key] for key, value in out.items()} if mean else out
 
     def buckets(self, family: str, **labels: str) -> list[tuple[float, float]]:
         """A histogram's cumulative buckets (upper bound, count), summed over matching series."""
@@ -99,8 +101,17 @@ def fraction_within(buckets: list[tuple[float, float]], bound_s: float) -> float
 
 
 def _delta_buckets(now: list[tuple[float, float]], before: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The observations between two scrapes; a histogram that went down (the server restarted) counts
+    from zero again, as Prometheus' rate() does."""
     old = dict(before)
+    if now and before and now[-1][1] < before[-1][1]:
+        return now
     return [(bound, max(0.0, count - old.get(bound, 0.0))) for bound, count in now]
+
+
+def _increase(now: float, before: float) -> float:
+    """A counter's increase between two scrapes (from zero again after a reset)."""
+    return now - before if now >= before else now
 
 
 class ServerWatch:
@@ -119,25 +130,29 @@ class ServerWatch:
             return response.read()
 
     def poll(self) -> dict[str, Any]:
-        """The server now (scraped unless the last scrape is under a second old)."""
-        with self._lock:
+        """The server now: scraped unless the last scrape is under a second old; while one scrape is in
+        flight (a slow or unreachable server), everyone else gets the last result instead of waiting."""
+        if not self._lock.acquire(blocking=self._latest is None):
+            return self._latest or {"url": self.shown, "at": time.time(), "up": False, "error": "scraping"}
+        try:
             if self._latest is not None and time.time() - self._latest["at"] < MIN_INTERVAL_S:
                 return self._latest
-            at = time.time()
             try:
                 text = self._get("/metrics").decode()
                 stats = orjson.loads(self._get("/v2/models/stats")).get("model_stats", [])
+                scrape = parse_scrape(text, stats, time.time())
             except (OSError, urllib.error.URLError, ValueError) as exc:
                 reason = getattr(exc, "reason", None) or exc
-                self._latest = {"url": self.shown, "at": at, "up": False, "error": str(reason)[:200],
+                self._latest = {"url": self.shown, "at": time.time(), "up": False, "error": str(reason)[:200],
                                 "history": list(self.history)}
                 return self._latest
-            scrape = parse_scrape(text, stats, at)
             view = self._view(scrape, self._previous)
             self._previous = scrape
             self.history.append(view["point"])
             self._latest = {**view, "history": list(self.history)}
             return self._latest
+        finally:
+            self._lock.release()
 
     def _view(self, now: Scrape, before: Scrape | None) -> dict[str, Any]:
         span = (now.at - before.at) if before is not None else None
@@ -166,7 +181,7 @@ class ServerWatch:
         def rate(family: str, **extra: str) -> float | None:
             if before is None or not span:
                 return None
-            return max(0.0, now.value(family, **labels, **extra) - before.value(family, **labels, **extra)) / span
+            return _increase(now.value(family, **labels, **extra), before.value(family, **labels, **extra)) / span
 
         def interval(family: str) -> list[tuple[float, float]]:
             buckets = now.buckets(family, **labels)
@@ -177,9 +192,9 @@ class ServerWatch:
         hits = now.value("mlscale_cache_num_hits_per_model", **labels)
         misses = now.value("mlscale_cache_num_misses_per_model", **labels)
         if before is not None:
-            hits -= before.value("mlscale_cache_num_hits_per_model", **labels)
-            misses -= before.value("mlscale_cache_num_misses_per_model", **labels)
-        skew = now.label_values("mlscale_feature_skew", "feature", **labels)
+            hits = _increase(hits, before.value("mlscale_cache_num_hits_per_model", **labels))
+            misses = _increase(misses, before.value("mlscale_cache_num_misses_per_model", **labels))
+        skew = now.label_values("mlscale_feature_skew", "feature", mean=True, **labels)  # one per worker
         role = _parameter(parameters.get("role"))
         answered, within = rate("mlscale_inference_request_success"), fraction_within(latency, self.slo_s)
         return {

@@ -67,6 +67,9 @@ def test_read_only_with_a_content_security_policy_and_unknown_runs_are_404(tmp_p
         assert page.status_code == 200 and "script-src 'self'" in page.headers["content-security-policy"]
         assert "<script src=\"/static/echarts.min.js\"" in page.text and "http" not in page.text.split("<body>")[0]
         assert httpx.post(f"{base}/api/runs").status_code == 405
+        # a page of another site whose name was made to point here (DNS rebinding) reads nothing
+        assert httpx.get(f"{base}/api/runs", headers={"host": "attacker.example:8080"}).status_code == 421
+        assert httpx.get(f"{base}/api/runs", headers={"host": "localhost"}).status_code == 200
         for run_id in ("nope", "../one", str(tmp_path / "runs" / "one")):
             missing = httpx.get(f"{base}/api/run", params={"id": run_id})
             assert missing.status_code == 404 and "no run" in missing.json()["error"]

@@ -107,6 +107,9 @@ def test_runs_table_and_the_run_page_hold_the_runs_records(browser, made, screen
         assert [m["rank"] for m in report["memory"]] == [0, 1] and memory[0]["data"]
         assert json.loads(page.page.locator("#run-config").text_content())["strategy"] == "ddp"
         assert "every record" in page.page.locator("#resolution").inner_text()
+        page.page.locator("#chart-loss").hover()  # a tooltip (HTML the page's CSP must allow)
+        page.page.locator("#chart-stragglers").hover()
+        time.sleep(0.3)
         page.page.screenshot(path=str(screenshots / "run.png"), full_page=True)
 
         # overlaid on another run

@@ -4,6 +4,8 @@ straggler score the bucket's highest) with every record again where the page zoo
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import orjson
 
@@ -90,3 +92,18 @@ def test_a_diverged_loss_is_shown_as_a_gap_not_dropped(tmp_path):
     view = RunView("run", run.path)
     assert view.refresh() == 3
     assert view.series_payload(None, None, 600)["loss"] == [2.0, None, None]
+
+
+def test_a_resumed_run_is_not_shown_with_its_earlier_launchs_report(tmp_path):
+    """`--resume` (or a start again after a failure) writes config.json anew and report.json only at its
+    end: until then the run is running, with the figures of its records."""
+    run = RunDir(tmp_path / "run")
+    run.write_config({"task": "digits", "steps": 100})
+    run.append_metrics(_line(10, 1.0))
+    run.write_report({"status": "failed", "steps": 10, "final_loss": 1.0, "restarts": 0})
+    view = RunView("run", run.path)
+    assert view.summary()["status"] == "failed"
+    os.utime(run.report_path, (1, 1))  # the report is older than the launch that wrote config.json again
+    run.append_metrics(_line(20, 0.5))
+    summary = view.summary()
+    assert summary["status"] == "running" and summary["steps"] == 20 and summary["loss"] == 0.5

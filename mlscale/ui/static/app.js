@@ -11,7 +11,8 @@ const EVENT_COLORS = {
 const SPLIT = [["compute_ms", "compute", "#4c72b0"], ["comm_exposed_ms", "communication (exposed)", "#dd8452"],
   ["data_wait_ms", "data wait", "#55a868"], ["optimizer_ms", "optimizer", "#8172b3"]];
 const POINTS = 600;
-let page = { charts: [], timers: [], sources: [] };  // what the current view holds, released on leaving it
+let page = { charts: [], timers: [], timeouts: [], sources: [], generation: 0 };  // released on leaving the view
+let generation = 0;  // which view is current: work begun for an earlier one stops when it finds it left
 
 // ---- small helpers ------------------------------------------------------------------------------------
 function el(tag, attrs, ...children) {
@@ -62,11 +63,26 @@ function draw(id, option) {
   return instance;
 }
 function every(ms, fn) { const timer = setInterval(fn, ms); page.timers.push(timer); return timer; }
+function later(ms, fn) { const timer = setTimeout(fn, ms); page.timeouts.push(timer); return timer; }
+// A view's own work, run only while that view is current (a late answer for a view left is dropped).
+class Left extends Error {}
+function current(own) { if (own !== generation) throw new Left(); }
 function leave() {
   for (const instance of page.charts) instance.dispose();
   for (const timer of page.timers) clearInterval(timer);
+  for (const timer of page.timeouts) clearTimeout(timer);
   for (const source of page.sources) source.close();
-  page = { charts: [], timers: [], sources: [] };
+  generation += 1;
+  page = { charts: [], timers: [], timeouts: [], sources: [], generation };
+}
+// Polling that never overlaps itself: the next call is scheduled when the last one has finished.
+function poll(ms, fn) {
+  const own = generation;
+  const tick = async () => {
+    try { await fn(); } catch (error) { if (!(error instanceof Left)) console.warn(error); }
+    if (own === generation) later(ms, tick);
+  };
+  later(ms, tick);
 }
 function failed(error) { view.replaceChildren(el("p", { class: "error" }, String(error.message || error))); }
 window.addEventListener("resize", () => page.charts.forEach((c) => c.resize()));
@@ -74,10 +90,11 @@ window.addEventListener("resize", () => page.charts.forEach((c) => c.resize()));
 // ---- routing ------------------------------------------------------------------------------------------
 async function route() {
   leave();
-  const hash = decodeURIComponent(location.hash.slice(1) || "/runs");
-  const [path, query] = hash.split("?");
-  const params = new URLSearchParams(query || "");
-  const parts = path.split("/").filter(Boolean);
+  const hash = location.hash.slice(1) || "/runs";
+  const at = hash.indexOf("?");
+  const path = at < 0 ? hash : hash.slice(0, at);
+  const params = new URLSearchParams(at < 0 ? "" : hash.slice(at + 1));
+  const parts = path.split("/").filter(Boolean).map((part) => { try { return decodeURIComponent(part); } catch { return part; } });
   document.querySelectorAll("[data-nav]").forEach((a) => a.classList.toggle("active", a.dataset.nav === parts[0]));
   const start = performance.now();
   fetchMs = 0;
@@ -89,7 +106,11 @@ async function route() {
     else await runsPage();
     Object.assign(document.body.dataset, { fetchMs: fetchMs.toFixed(1), viewMs: (performance.now() - start).toFixed(1) });
     document.body.dataset.ready = hash;  // the view has drawn (browser tests and the benchmark wait for it)
-  } catch (error) { failed(error); document.body.dataset.ready = hash; }
+  } catch (error) {
+    if (error instanceof Left) return;  // another view was asked for meanwhile: it says when it is ready
+    failed(error);
+    document.body.dataset.ready = hash;
+  }
 }
 window.addEventListener("hashchange", route);
 window.addEventListener("DOMContentLoaded", async () => {
@@ -138,20 +159,29 @@ async function runsPage() {
     count.textContent = `${shown.length} of ${rows.length} run(s)`;
   }
   search.addEventListener("input", () => { filter = search.value; fill(); });
-  view.replaceChildren(el("h1", {}, "Runs"), el("div", { class: "card" },
-    el("div", { class: "toolbar" }, search, count),
-    rows.length ? el("table", { id: "runs-table" }, el("thead", {}, head), body)
-      : el("p", { class: "muted" }, "No run directories here yet (a run directory holds config.json).")));
+  const table = el("table", { id: "runs-table" }, el("thead", {}, head), body);
+  const empty = el("p", { class: "muted" }, "No run directories here yet (a run directory holds config.json).");
+  const card = el("div", { class: "card" }, el("div", { class: "toolbar" }, search, count), rows.length ? table : empty);
+  view.replaceChildren(el("h1", {}, "Runs"), card);
   fill();
-  every(5000, async () => { rows = await api("/api/runs").catch(() => rows); fill(); });
+  const own = generation;
+  poll(5000, async () => {
+    rows = await api("/api/runs").catch(() => rows);
+    current(own);
+    card.lastChild.replaceWith(rows.length ? table : empty);
+    fill();
+  });
 }
 
 // ---- one run ------------------------------------------------------------------------------------------
 async function runPage(id, params) {
+  const own = generation;
   const detail = await api(`/api/run?id=${encodeURIComponent(id)}`);
+  current(own);
   const state = { id, detail, from: null, to: null, rank: "all", overlay: params.get("vs") || "", zoom: [0, 100],
-    data: null, other: null, syncing: false };
+    data: null, other: null, syncing: false, own, zoomTimer: null };
   const others = (await api("/api/runs")).filter((r) => r.id !== id);
+  current(own);
   const rankChoice = el("select", { id: "rank-choice", "aria-label": "which rank's split",
     onchange: () => { state.rank = rankChoice.value; refetch(state); } },
     el("option", { value: "all" }, "mean over ranks"), detail.ranks.map((r) => el("option", { value: r }, `rank ${r}`)));
@@ -213,7 +243,8 @@ function eventMarks(events) {
 
 function stepAxis(state) {
   const d = state.data;
-  return { type: "value", name: "step", nameLocation: "middle", nameGap: 26, min: d.first_step ?? 0,
+  return { type: "value", name: "step", nameLocation: "middle", nameGap: 26,
+    min: Math.min(d.first_step ?? 0, state.other?.first_step ?? Infinity),
     max: Math.max(d.last_step ?? 1, state.other?.last_step ?? 0), scale: true };
 }
 function zoomOf(state) {
@@ -226,13 +257,16 @@ async function refetch(state) {
   const q = new URLSearchParams({ id: state.id, points: POINTS, rank: state.rank });
   if (state.from !== null) q.set("from", state.from);
   if (state.to !== null) q.set("to", state.to);
-  state.data = await api(`/api/series?${q}`);
+  const data = await api(`/api/series?${q}`);
+  let other = null;
   if (state.overlay) {
     const o = new URLSearchParams({ id: state.overlay, points: POINTS });
     if (state.from !== null) o.set("from", state.from);
     if (state.to !== null) o.set("to", state.to);
-    state.other = await api(`/api/series?${o}`).catch(() => null);
+    other = await api(`/api/series?${o}`).catch(() => null);
   }
+  current(state.own);  // the page was left meanwhile: nothing to draw
+  state.data = data; state.other = other;
   drawSeries(state);
 }
 
@@ -292,7 +326,6 @@ function drawHeat(state) {
       markLine: { silent: true, symbol: "none", data: lines } }] });
 }
 
-let zoomTimer = null;
 function zoomed(state, source) {
   if (state.syncing) return;
   const option = source.getOption().dataZoom[0];
@@ -303,14 +336,14 @@ function zoomed(state, source) {
     if (c && c !== source) c.dispatchAction({ type: "dataZoom", start: option.start, end: option.end });
   }
   state.syncing = false;
-  clearTimeout(zoomTimer);
-  zoomTimer = setTimeout(() => {
-    const first = state.detail.first_step ?? state.data.first_step ?? 0, last = state.data.last_step ?? 0;
+  clearTimeout(state.zoomTimer);
+  state.zoomTimer = later(250, () => {
+    const axis = stepAxis(state), first = axis.min, last = axis.max;  // the extent the percentages are of
     const whole = option.start <= 0 && option.end >= 100;
     state.from = whole ? null : Math.floor(first + (last - first) * option.start / 100);
     state.to = whole ? null : Math.ceil(first + (last - first) * option.end / 100);
-    refetch(state);
-  }, 250);
+    refetch(state).catch((error) => { if (!(error instanceof Left)) console.warn(error); });
+  });
 }
 
 // A run in progress: its new records arrive as server-sent events and are added to the charts.
@@ -323,8 +356,12 @@ function follow(state) {
     const d = state.data;
     const fullView = state.from === null && state.to === null && d.per_point <= 1.0001 && d.points_total < POINTS
       && d.heat_steps.length === d.steps.length;
-    if (!fullView) {  // down-sampled or zoomed in: ask for the range again (at most every 2 s)
-      if (!pending) { pending = true; setTimeout(() => { pending = false; refetch(state); }, 2000); }
+    const newRank = rows.some((row) => Object.keys(row.per_rank).some((rank) => !d.ranks.includes(Number(rank))));
+    if (!fullView || newRank) {  // down-sampled, zoomed in or a rank not seen yet: the range again (every 2 s at most)
+      if (!pending) {
+        pending = true;
+        later(2000, () => { pending = false; refetch(state).catch(() => {}); });
+      }
       return;
     }
     for (const row of rows) {
@@ -348,14 +385,14 @@ function follow(state) {
     }
     drawSeries(state);
   });
-  every(3000, async () => {
+  const status = every(3000, async () => {
     const detail = await api(`/api/run?id=${encodeURIComponent(state.id)}`).catch(() => null);
-    if (!detail) return;
+    if (!detail || state.own !== generation) return;
     state.detail = detail;
     document.getElementById("run-facts")?.replaceChildren(...facts(detail));
     const events = document.getElementById("events");
     if (events) events.closest(".card").replaceChildren(el("h2", {}, "Events"), eventsTable(detail.events));
-    if (detail.status !== "running") { source.close(); refetch(state); }
+    if (detail.status !== "running") { clearInterval(status); source.close(); refetch(state).catch(() => {}); }
   });
 }
 
@@ -382,7 +419,9 @@ function drawStages(detail) {
 
 // ---- registry -----------------------------------------------------------------------------------------
 async function registryPage() {
+  const own = generation;
   const data = await api("/api/registry");
+  current(own);
   if (!data.configured) {
     view.replaceChildren(el("h1", {}, "Registry"), el("p", { class: "muted" }, "No registry given: start the UI with --registry URL (or set $MLSCALE_REGISTRY)."));
     return;
@@ -397,7 +436,9 @@ async function registryPage() {
 }
 
 async function modelPage(name) {
+  const own = generation;
   const m = await api(`/api/registry/model?name=${encodeURIComponent(name)}`);
+  current(own);
   view.replaceChildren(el("h1", {}, el("a", { href: "#/registry" }, "Registry"), ` / ${m.name}`),
     ...m.versions.map(versionCard),
     el("div", { class: "card" }, el("h2", {}, "History"), el("table", { id: "history-table" },
@@ -435,8 +476,10 @@ async function servingPage() {
   view.replaceChildren(el("h1", {}, "Serving"), el("div", { id: "servers" }, el("p", { class: "muted" }, "Scraping…")));
   const box = document.getElementById("servers");
   let built = false;
+  const own = generation;
   async function tick() {
     const servers = await api("/api/servers");
+    current(own);
     if (!servers.length) {
       box.replaceChildren(el("p", { class: "muted" }, "No server given: start the UI with --server URL (one per server)."));
       return;
@@ -445,7 +488,7 @@ async function servingPage() {
     servers.forEach((s, i) => fillServer(s, i));
   }
   await tick();
-  every(2000, () => tick().catch(() => {}));
+  poll(2000, tick);
 }
 
 function serverCard(s, i) {
