@@ -79,7 +79,6 @@ def test_runs_table_and_the_run_page_hold_the_runs_records(browser, made, screen
         page.page.fill("#run-search", "digits")
         assert rows.evaluate_all("(rows) => rows.map((r) => r.dataset.run)") == ["faulty"]
         page.page.fill("#run-search", "")
-        page.page.screenshot(path=str(screenshots / "runs.png"))
 
         page.open(f"{base}/#/run/faulty")
         loss, *_ = page.series("chart-loss")
@@ -238,6 +237,9 @@ def test_a_run_in_progress_gains_points_without_a_reload(browser, made, screensh
                 time.sleep(0.2)
             with running_ui("--runs", str(runs)) as (base, _):
                 page = Watched(browser)
+                page.open(f"{base}/#/runs")  # the table with a run in progress
+                assert "running" in page.page.locator("tr[data-run=live]").inner_text()
+                page.page.screenshot(path=str(screenshots / "runs.png"))
                 page.open(f"{base}/#/run/live")
                 assert "running" in page.page.locator("h1").inner_text()
                 page.page.evaluate("() => { window.sameDocument = true; }")
