@@ -31,6 +31,7 @@ SPLIT_KEYS = ("compute_ms", "comm_exposed_ms", "data_wait_ms", "optimizer_ms")
 RANK_KEYS = ("step_ms", *SPLIT_KEYS, "comm_ms", "straggler_score")
 RUNNING_WITHIN_S = 60.0  # a run without a report whose heartbeats or records moved this recently is running
 MAX_DEPTH = 3  # how deep under --runs run directories are looked for
+ERROR_CHARS = 160  # a worker's error as the events table shows it (the whole of it in the event's data)
 TAIL_BYTES = 1 << 20  # the runs table reads a run's newest metrics line from this much of its end
 WARM_RUNS = 8  # runs whose records the UI reads when it starts, the most recently started first
 HEAT_CELLS = 12_000  # the straggler heat map's budget: drawn in well under a second, finer than its pixels
@@ -325,8 +326,11 @@ class RunView:
                            "text": f"{fault.get('kind')} of rank {fault.get('rank')} at step {step} (injected)"})
         for failure in read_records(self.run.failures_path):
             step = failure.get("step")
+            error = str(failure.get("error"))
+            shown = error if len(error) <= ERROR_CHARS else error[:ERROR_CHARS - 1] + "…"
             events.append({"kind": "error", "step": None if step is None else step + 1, "rank": failure.get("rank"),
-                           "time": failure.get("time"), "text": f"rank {failure.get('rank')}: {failure.get('error')}"})
+                           "time": failure.get("time"), "text": f"rank {failure.get('rank')}: {shown}",
+                           "error": error})
         for event in read_records(self.run.recovery_path):
             downtime = event.get("downtime_s")
             events.append({"kind": "restart", "step": event.get("failed_at_step"), "attempt": event.get("attempt"),

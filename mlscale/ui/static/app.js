@@ -229,7 +229,7 @@ function eventsTable(events) {
     el("thead", {}, el("tr", {}, el("th", {}, "step"), el("th", {}, "what"), el("th", {}, ""))),
     el("tbody", {}, events.map((e) => el("tr", { "data-kind": e.kind, "data-step": e.step ?? "" },
       el("td", {}, e.step ?? "–"), el("td", {}, el("span", { class: "dot", style: `background:${EVENT_COLORS[e.kind] || "#888"}` }), e.kind.replace(/_/g, " ")),
-      el("td", {}, e.text))))));
+      el("td", { title: e.error || "" }, e.text))))));
 }
 
 // Lines at the events' steps, shaded spans where steps ran without every replica.
