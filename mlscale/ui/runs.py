@@ -252,7 +252,7 @@ class RunView:
         """The newest metrics line: from the records if read, else from the file's tail only (the runs
         table reads no run whole)."""
         with self._lock:
-            if self.series.steps:
+            if self.series.steps and (_size(self.run.metrics_path) or 0) == self._offset:  # read to the end
                 last = len(self.series.steps) - 1
                 return {"step": self.series.steps[last], "loss": self.series.loss[last],
                         "samples_per_s": self.series.samples_per_s[last]}
@@ -444,6 +444,13 @@ def _nanmean(values: np.ndarray, axis: int) -> np.ndarray:
 def _mtime(path: Path) -> float | None:
     try:
         return path.stat().st_mtime
+    except OSError:
+        return None
+
+
+def _size(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
     except OSError:
         return None
 

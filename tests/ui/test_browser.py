@@ -37,8 +37,8 @@ def _standing(run_dir: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
-    """The runs folder (a killed-and-slowed ddp run, a long synthetic one) and a registry holding the
-    ddp run's model, exported to ONNX and staged."""
+    """The runs folder (a killed-and-slowed ddp run, a pipeline run, a long synthetic one) and a registry
+    holding the ddp run's model, exported to ONNX and staged."""
     from mlscale.export import export_version
     from mlscale.registry import Registry, register_run
 
@@ -48,6 +48,10 @@ def made(tmp_path_factory):
                      "--checkpoint-every", "10", "--max-restarts", "1", "--no-progress",
                      "--fault", f"kill:rank=1:step={KILL_STEP}", "--fault", f"slow:rank={SLOW_RANK}:delay_ms=20",
                      "--run-dir", str(runs / "faulty"), timeout=240)
+    assert result.returncode == 0, result.stderr
+    result = run_cli("train", "--task", "tinylm", "--strategy", "pipeline", "--workers", "2", "--stages", "2",
+                     "--microbatches", "2", "--steps", "6", "--log-every", "2", "--no-progress",
+                     "--run-dir", str(runs / "pipe"), timeout=240)
     assert result.returncode == 0, result.stderr
     write_synthetic_run(runs / "long", steps=3_000, ranks=4, log_every=1, slow_rank=2)
     registry = Registry(str(root / "registry"))
@@ -71,9 +75,11 @@ def test_runs_table_and_the_run_page_hold_the_runs_records(browser, made, screen
         page = Watched(browser)
         page.open(f"{base}/#/runs")
         rows = page.page.locator("#runs-table tbody tr")
-        assert sorted(rows.evaluate_all("(rows) => rows.map((r) => r.dataset.run)")) == ["faulty", "long"]
+        assert sorted(rows.evaluate_all("(rows) => rows.map((r) => r.dataset.run)")) == ["faulty", "long", "pipe"]
         page.page.click("th[data-key=steps]")  # sorted by steps, most first
-        assert rows.evaluate_all("(rows) => rows.map((r) => r.dataset.run)") == ["long", "faulty"]
+        assert rows.evaluate_all("(rows) => rows.map((r) => r.dataset.run)") == ["long", "faulty", "pipe"]
+        page.page.click("th[data-key=steps]")  # and the other way
+        assert rows.evaluate_all("(rows) => rows.map((r) => r.dataset.run)") == ["pipe", "faulty", "long"]
         row = page.page.locator("tr[data-run=faulty]").inner_text()
         assert "completed" in row and "ddp" in row and "60 / 60" in row
         page.page.fill("#run-search", "digits")
@@ -131,6 +137,21 @@ def test_runs_table_and_the_run_page_hold_the_runs_records(browser, made, screen
         assert 100 <= len(zoomed) <= 200
         assert zoomed == [[step, pytest.approx(long_standing[step]["loss"], abs=1e-6)] for step, _ in zoomed]
         assert [s for s, _ in zoomed] == sorted(s for s in long_standing if zoomed[0][0] <= s <= zoomed[-1][0])
+        assert page.errors == []
+        page.close()
+
+
+def test_a_pipeline_run_shows_its_stages_and_memory(browser, made):
+    runs, _ = made
+    report = RunDir(runs / "pipe").read_report()
+    with running_ui("--runs", str(runs)) as (base, _):
+        page = Watched(browser)
+        page.open(f"{base}/#/run/pipe")
+        params, stage_ms = page.series("chart-stages")
+        assert params["data"] == report["pipeline"]["stage_params"]
+        assert stage_ms["data"] == [pytest.approx(r["step_ms_p50"]) for r in report["per_rank"][:2]]
+        memory = page.series("chart-memory")
+        assert {s["name"]: s["data"] for s in memory}["params"] == [m["params_mb"] for m in report["memory"]]
         assert page.errors == []
         page.close()
 

@@ -384,6 +384,10 @@ function follow(state) {
       d.points_total += 1; d.to = d.points_total; d.lines = row.line + 1;
     }
     drawSeries(state);
+    const last = rows[rows.length - 1], total = state.detail.total_steps;  // the facts follow the records
+    const steps = document.querySelector("[data-fact=steps] b"), loss = document.querySelector("[data-fact=loss] b");
+    if (steps) steps.textContent = total ? `${fmt(last.step)} / ${fmt(total)}` : fmt(last.step);
+    if (loss && last.loss !== null) loss.textContent = fmt(last.loss, 4);
   });
   const status = every(3000, async () => {
     const detail = await api(`/api/run?id=${encodeURIComponent(state.id)}`).catch(() => null);
