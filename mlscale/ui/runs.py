@@ -33,6 +33,7 @@ RUNNING_WITHIN_S = 60.0  # a run without a report whose heartbeats or records mo
 MAX_DEPTH = 3  # how deep under --runs run directories are looked for
 ERROR_CHARS = 160  # a worker's error as the events table shows it (the whole of it in the event's data)
 TAIL_BYTES = 1 << 20  # the runs table reads a run's newest metrics line from this much of its end
+KEEP_RUNS = 16  # runs whose records are kept in memory (the most recently asked for)
 WARM_RUNS = 8  # runs whose records the UI reads when it starts, the most recently started first
 HEAT_CELLS = 12_000  # the straggler heat map's budget: drawn in well under a second, finer than its pixels
 
@@ -232,6 +233,12 @@ class RunView:
                     if isinstance(record, dict):
                         self.series.add(record)
             return len(self.series.steps)
+
+    def forget(self) -> None:
+        """Drop the records read so far (memory): read again from the start when next asked for."""
+        with self._lock:
+            if self.series.steps:
+                self.series, self._offset = Series(), 0
 
     def rows(self, start: int) -> tuple[int, list[dict[str, Any]]]:
         """The lines from ``start`` on (the live stream): (lines now, rows)."""
@@ -479,23 +486,32 @@ class RunCatalog:
     def ids(self) -> dict[str, Path]:
         return find_runs(self.root) if self.root is not None else {}
 
-    def view(self, run_id: str, found: dict[str, Path] | None = None) -> RunView | None:
+    def view(self, run_id: str, found: dict[str, Path] | None = None, *, touch: bool = True) -> RunView | None:
         """The run of that id, or None (an id is a path found under ``--runs``, never one from the
-        request: ``..`` or an absolute path finds nothing). ``found``: a listing just made."""
+        request: ``..`` or an absolute path finds nothing). ``found``: a listing just made. Asking for a
+        run (``touch``; the runs table does not) makes it the most recently used: the records of at most
+        ``KEEP_RUNS`` runs stay in memory."""
         with self._lock:
-            if run_id in self._views and self._views[run_id].run.config_path.is_file():
+            view = self._views.get(run_id)
+            if view is None or not view.run.config_path.is_file():
+                path = (found if found is not None else self.ids()).get(run_id)
+                if path is None:
+                    return None
+                view = RunView(run_id, path)
+            if not touch:
+                self._views.setdefault(run_id, view)
                 return self._views[run_id]
-            path = (found if found is not None else self.ids()).get(run_id)
-            if path is None:
-                return None
-            self._views[run_id] = RunView(run_id, path)
-            return self._views[run_id]
+            self._views.pop(run_id, None)
+            self._views[run_id] = view  # the most recent last
+            for older in list(self._views.values())[:-KEEP_RUNS]:
+                older.forget()
+            return view
 
     def summaries(self) -> list[dict[str, Any]]:
         rows = []
         found = self.ids()
         for run_id in found:
-            view = self.view(run_id, found)
+            view = self.view(run_id, found, touch=False)
             if view is not None:
                 rows.append(view.summary())
         return sorted(rows, key=lambda r: -(r["started"] or 0))

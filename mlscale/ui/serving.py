@@ -160,7 +160,7 @@ class ServerWatch:
         for entry in now.stats:
             name, version = entry.get("name", ""), str(entry.get("version", ""))
             versions.append(self._version(now, before, span, name, version, entry.get("parameters") or {}))
-        totals = {key: sum(v[key] or 0.0 for v in versions)
+        totals = {key: sum(v[key] or 0.0 for v in versions) if before is not None else None  # rates need two
                   for key in ("goodput_per_s", "answered_per_s", "failed_per_s")}
         latency_now = now.buckets("mlscale_inference_request_duration_seconds")
         latency = _delta_buckets(latency_now, before.buckets("mlscale_inference_request_duration_seconds")) \

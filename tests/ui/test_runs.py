@@ -108,3 +108,24 @@ def test_a_resumed_run_is_not_shown_with_its_earlier_launchs_report(tmp_path):
     run.append_metrics(_line(20, 0.5))  # a line the view has not read: the table reads the file's tail
     summary = view.summary()
     assert summary["status"] == "running" and summary["steps"] == 20 and summary["loss"] == 0.5
+
+
+def test_only_the_most_recently_asked_for_runs_keep_their_records_in_memory(tmp_path):
+    from mlscale.ui import runs as ui_runs
+
+    for i in range(ui_runs.KEEP_RUNS + 2):
+        run = RunDir(tmp_path / f"run{i:02d}")
+        run.path.mkdir()
+        run.write_config({"task": "digits"})
+        run.append_metrics(_line(1, float(i)))
+    catalog = RunCatalog(tmp_path)
+    views = []
+    for i in range(ui_runs.KEEP_RUNS + 2):  # each opened and read in turn
+        views.append(catalog.view(f"run{i:02d}"))
+        views[-1].refresh()
+    assert len(catalog.summaries()) == ui_runs.KEEP_RUNS + 2  # the table touches no run's place
+    held = [view.id for view in views if view.series.steps]
+    assert held == [f"run{i:02d}" for i in range(2, ui_runs.KEEP_RUNS + 2)]
+    catalog.view("run00")  # asked for again: read again, and the oldest of the rest forgotten
+    assert catalog.view("run00").series_payload(None, None, 10)["loss"] == [0.0]
+    assert not views[2].series.steps and views[3].series.steps

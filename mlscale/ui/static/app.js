@@ -351,6 +351,7 @@ function follow(state) {
   const source = new EventSource(`/api/live?id=${encodeURIComponent(state.id)}&after=${state.data.lines}`);
   page.sources.push(source);
   let pending = false;
+  source.addEventListener("reset", () => refetch(state).catch(() => {}));  // the records were read again
   source.addEventListener("rows", (message) => {
     const rows = JSON.parse(message.data);
     const d = state.data;
