@@ -45,7 +45,7 @@ def made(tmp_path_factory):
     root = tmp_path_factory.mktemp("ui")
     runs = root / "runs"
     result = run_cli("train", "--task", "digits", "--workers", "2", "--steps", "60", "--log-every", "2",
-                     "--checkpoint-every", "10", "--max-restarts", "1", "--no-progress",
+                     "--checkpoint-every", "10", "--max-restarts", "1", "--no-progress", "--eval-every", "20",
                      "--fault", f"kill:rank=1:step={KILL_STEP}", "--fault", f"slow:rank={SLOW_RANK}:delay_ms=20",
                      "--run-dir", str(runs / "faulty"), timeout=240)
     assert result.returncode == 0, result.stderr
@@ -87,8 +87,12 @@ def test_runs_table_and_the_run_page_hold_the_runs_records(browser, made, screen
         page.page.fill("#run-search", "")
 
         page.open(f"{base}/#/run/faulty")
-        loss, *_ = page.series("chart-loss")
+        loss, *evaluated = page.series("chart-loss")
         assert _points(loss) == [[r["step"], pytest.approx(r["loss"], abs=1e-6)] for r in standing]
+        evals = [e for r in standing for e in r.get("eval", [])]
+        assert len(evals) >= 2 and {s["name"] for s in evaluated} == {"eval accuracy", "eval loss"}
+        accuracy = next(s for s in evaluated if s["name"] == "eval accuracy")
+        assert _points(accuracy) == [[e["step"], pytest.approx(e["accuracy"])] for e in evals]
         speed, *_ = page.series("chart-speed")
         assert _points(speed) == [[r["step"], pytest.approx(r["samples_per_s"], abs=0.06)] for r in standing]
         compute = page.series("chart-split")[0]
