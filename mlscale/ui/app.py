@@ -66,7 +66,9 @@ def json_response(data: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(data, option=options, default=str), status, media_type="application/json")
 
 
-def _loopback_name(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """A name or address of this machine only: what the UI listens on without a token, and the only Host a
+    request may name then."""
     if host == "localhost":
         return True
     try:
@@ -88,7 +90,7 @@ class TokenGate:
         if not self.token:  # loopback, no token: only requests addressed to this machine's own names, so a
             # page elsewhere whose name a DNS rebinding points here cannot read the API
             host = urllib.parse.urlsplit("//" + request.headers.get("host", "")).hostname or ""
-            if not _loopback_name(host):
+            if not is_loopback(host):
                 return await PlainTextResponse("mlscale ui: address it as 127.0.0.1 or localhost", 421)(
                     scope, receive, send)
             return await self.app(scope, receive, send)

@@ -4,7 +4,6 @@ in use is one line, not a traceback)."""
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import os
 import socket
 import sys
@@ -13,19 +12,10 @@ from pathlib import Path
 
 from mlscale.errors import MlscaleError, UsageError
 from mlscale.redact import redact_url
-from mlscale.ui.app import TOKEN_ENV, UiSettings, build_app
+from mlscale.ui.app import TOKEN_ENV, UiSettings, build_app, is_loopback
 from mlscale.ui.runs import RunCatalog
 
 DEFAULT_RUNS = "runs"
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def settings_from(runs: str | None, registry: str | None, servers: list[str], host: str, port: int,
