@@ -16,7 +16,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
-from tests.serve.conftest import infer_body, running_server
+from tests.declared_tasks import SLOW
+from tests.serve.conftest import infer_body, metric, running_server
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
 CALLER_SPAN = "00f067aa0ba902b7"
@@ -68,7 +69,7 @@ def test_request_spans_continue_the_callers_trace_and_link_the_requests_of_a_bat
     monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")  # export every 100 ms, not every 5 s
     endpoint = f"http://127.0.0.1:{receiver.server_address[1]}"
     try:
-        with running_server(serve_registry, "models:/slow/1", "models:/digits/1", "--otlp-endpoint", endpoint,
+        with running_server(serve_registry, "models:/misbehaving/1", "models:/digits/1", "--otlp-endpoint", endpoint,
                             "--cache-mb", "0", "--max-delay-ms", "50") as (base, server):
             parent = f"00-{TRACE_ID}-{CALLER_SPAN}-01"
             answer = httpx.post(f"{base}/v2/models/digits/infer", json=infer_body([[0.5] * 64]),
@@ -77,12 +78,19 @@ def test_request_spans_continue_the_callers_trace_and_link_the_requests_of_a_bat
             returned = answer.headers["traceparent"].split("-")
             assert returned[1] == TRACE_ID and returned[2] != CALLER_SPAN  # the server's span, in the same trace
 
-            # concurrent requests to the slow model share batches
-            rows = [[i / 8] * 64 for i in range(8)]
-            with ThreadPoolExecutor(8) as pool:
-                codes = list(pool.map(lambda row: httpx.post(f"{base}/v2/models/slow/infer", timeout=30,
-                                                             json=infer_body([row])).status_code, rows))
-            assert codes == [200] * 8
+            # requests that queue while the model is held by a slow call (2 s) leave in one batch
+            def infer(first: float) -> int:
+                body = infer_body([[first, 0.5, 0.5, 0.5]])
+                return httpx.post(f"{base}/v2/models/misbehaving/infer", timeout=30, json=body).status_code
+
+            with ThreadPoolExecutor(9) as pool:
+                held = pool.submit(infer, SLOW)
+                deadline = time.time() + 10
+                while metric(base, "mlscale_inference_executing", model="misbehaving", version="1") != 1:
+                    assert time.time() < deadline, "the slow call never started"
+                    time.sleep(0.02)
+                codes = list(pool.map(infer, [i / 8 for i in range(8)]))
+            assert codes == [200] * 8 and held.result() == 200
 
             import tritonclient.grpc as grpcclient
 
@@ -93,7 +101,7 @@ def test_request_spans_continue_the_callers_trace_and_link_the_requests_of_a_bat
             client.infer("digits", [tensor], headers={"traceparent": grpc_parent})
             client.close()
 
-            spans = receiver.wait_for(lambda spans: sum(s.name == "infer slow" for s in spans) == 8
+            spans = receiver.wait_for(lambda spans: sum(s.name == "infer misbehaving" for s in spans) == 9
                                       and sum(s.name == "infer digits" for s in spans) == 2)
     finally:
         receiver.shutdown()
@@ -112,10 +120,10 @@ def test_request_spans_continue_the_callers_trace_and_link_the_requests_of_a_bat
     grpc_root = next(s for s in spans if s.name == "infer digits" and s.trace_id.hex() == TRACE_ID[::-1])
     assert grpc_root.parent_span_id.hex() == CALLER_SPAN
 
-    # the slow model's requests: each a trace of its own; the ones that shared a batch name the same
-    # batch id, and that batch's span links to each of them
-    slow = [s for s in spans if s.name == "infer slow"]
-    assert len({s.trace_id for s in slow}) == 8
+    # the misbehaving model's requests: each a trace of its own; the ones that shared a batch name the
+    # same batch id, and that batch's span links to each of them
+    slow = [s for s in spans if s.name == "infer misbehaving"]
+    assert len({s.trace_id for s in slow}) == 9
     batch_of = {}
     for root in slow:
         (mine,) = [s for s in spans if s.parent_span_id == root.span_id and s.name == "batch"]
