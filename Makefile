@@ -53,8 +53,8 @@ ui-assets:
 	cd web && npm ci --no-audit --no-fund && npm run build
 
 # The UI's pages in Firefox (Debian's firefox-esr) against a running `mlscale ui`: each view draws and
-# logs no error (the suite's browser tests run Chromium). URL and VIEWS (e.g. "/run/ID /registry/NAME")
-# say what to open besides the runs, registry and serving views.
+# logs no error (the suite runs it too, over its own runs: tests/ui/test_browser.py). URL and VIEWS
+# (e.g. "/run/ID /registry/NAME") say what to open besides the runs, registry and serving views.
 URL ?= http://127.0.0.1:8080
 ui-firefox-check:
 	cd web && npm ci --no-audit --no-fund && node check-firefox.mjs $(URL) $(VIEWS)

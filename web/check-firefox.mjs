@@ -1,6 +1,7 @@
 // The UI's pages in Firefox (Debian's firefox-esr, through WebDriver BiDi; puppeteer-core downloads no
-// browser): each view must draw and log no error. The suite tests Chromium; this is run by hand
-// (`make ui-firefox-check URL=http://127.0.0.1:8080 VIEWS="/run/ID /registry/NAME"`) against a running
+// browser): each view must draw and log no error. The suite runs it (tests/ui/test_browser.py) over the
+// runs, registry and server it makes; by hand:
+// `make ui-firefox-check URL=http://127.0.0.1:8080 VIEWS="/run/ID /registry/NAME"` against a running
 // `mlscale ui`: the runs, registry and serving views, and those named.
 import puppeteer from "puppeteer-core";
 

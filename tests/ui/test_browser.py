@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -19,6 +20,7 @@ import pytest
 
 from mlscale.bench.ui import write_synthetic_run
 from mlscale.rundir import RunDir
+from tests.conftest import unavailable
 from tests.helpers import REPO, run_cli
 from tests.serve.conftest import running_server
 from tests.ui.conftest import Watched, running_ui
@@ -290,3 +292,31 @@ def test_a_run_in_progress_gains_points_without_a_reload(browser, made, screensh
         finally:
             if job.poll() is None:
                 job.kill()
+
+
+FIREFOX = os.environ.get("MLSCALE_FIREFOX", "/usr/bin/firefox-esr")
+
+
+def test_every_view_draws_in_firefox_without_an_error(made):
+    """The pages in Firefox too (Debian's firefox-esr through WebDriver BiDi, by web/check-firefox.mjs on
+    puppeteer-core from web/package-lock.json; `.ci/run` installs both): each view draws, no error logged."""
+    from mlscale.registry import Registry
+    from mlscale.registry.models import sample_request
+
+    if not Path(FIREFOX).exists():
+        unavailable(f"no Firefox at {FIREFOX} (apt-get install firefox-esr; .ci/run installs it)")
+    if not shutil.which("node") or not (REPO / "web/node_modules/puppeteer-core").is_dir():
+        unavailable("no node or no web/node_modules (cd web && npm ci; .ci/run runs it)")
+    runs, registry_path = made
+    body = sample_request(Registry(registry_path, create=False).get_version("digits", 1), rows=4)
+    views = ["/run/faulty", "/run/faulty?vs=long", "/run/long", "/run/pipe", "/registry/digits"]
+    with running_server(registry_path, "models:/digits@production", "--no-grpc") as (server, _):
+        for _ in range(3):
+            assert httpx.post(f"{server}/v2/models/digits/infer", json=body).status_code == 200
+        with running_ui("--runs", str(runs), "--registry", registry_path, "--server", server) as (base, _):
+            result = subprocess.run(["node", "web/check-firefox.mjs", base, *views], cwd=REPO, timeout=300,
+                                    capture_output=True, text=True, env={**os.environ, "FIREFOX": FIREFOX})
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr[-3000:]}"
+    drawn = [line for line in result.stdout.splitlines() if " drawn in " in line]
+    assert len(drawn) == 3 + len(views) and all(line.endswith(" 0 error(s)") for line in drawn), result.stdout
+    assert all(" 0 chart canvas" not in line for line in drawn if "/run/" in line), result.stdout
