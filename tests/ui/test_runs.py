@@ -129,3 +129,23 @@ def test_only_the_most_recently_asked_for_runs_keep_their_records_in_memory(tmp_
     catalog.view("run00")  # asked for again: read again, and the oldest of the rest forgotten
     assert catalog.view("run00").series_payload(None, None, 10)["loss"] == [0.0]
     assert not views[2].series.steps and views[3].series.steps
+
+
+def test_odd_per_rank_entries_are_read_and_only_whole_rank_numbers_become_rows():
+    from mlscale.ui.runs import Series
+
+    series = Series()
+    series.add(_line(1, 1.0, ranks=2))
+    older = _line(2, 0.9, ranks=2)
+    del older["per_rank"][1]["straggler_score"]  # a record from before the score existed
+    series.add(older)
+    odd = _line(3, 0.8, ranks=2)
+    odd["per_rank"] += [{**odd["per_rank"][0], "rank": "x"}, {**odd["per_rank"][0], "rank": 2.5},
+                        {**odd["per_rank"][0], "rank": 3.0}]
+    series.add(odd)
+    assert series.ranks == [0, 1, 3]  # "x" and 2.5 are no rank; 3.0 is rank 3
+    scores = series.standing("straggler_score")
+    assert scores.shape == (3, 3)
+    assert scores[1][:2].tolist() == [1.0, 1.0]  # the missing score reads as the neutral 1.0
+    assert np.isnan(scores[1][2])  # rank 3 had no entry on the second line
+    assert scores[2][2] == 1.0  # rank 3's entry on the third line
