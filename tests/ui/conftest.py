@@ -17,6 +17,7 @@ from tests.conftest import require_module, unavailable
 from tests.helpers import REPO, free_port
 
 CHROMIUM = os.environ.get("MLSCALE_CHROMIUM", "/usr/bin/chromium")
+FIREFOX = os.environ.get("MLSCALE_FIREFOX", "/usr/bin/firefox-esr")  # the Firefox check (test_browser.py)
 # Where the browser tests leave their screenshots: the README's come from `MLSCALE_UI_SCREENSHOTS=docs/ui`.
 SCREENSHOTS_ENV = "MLSCALE_UI_SCREENSHOTS"
 

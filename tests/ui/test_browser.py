@@ -23,7 +23,7 @@ from mlscale.rundir import RunDir
 from tests.conftest import unavailable
 from tests.helpers import REPO, run_cli
 from tests.serve.conftest import running_server
-from tests.ui.conftest import Watched, running_ui
+from tests.ui.conftest import FIREFOX, Watched, running_ui
 
 KILL_STEP, SLOW_RANK = 25, 1
 
@@ -293,8 +293,6 @@ def test_a_run_in_progress_gains_points_without_a_reload(browser, made, screensh
             if job.poll() is None:
                 job.kill()
 
-
-FIREFOX = os.environ.get("MLSCALE_FIREFOX", "/usr/bin/firefox-esr")
 
 
 def test_every_view_draws_in_firefox_without_an_error(made):
