@@ -1,5 +1,5 @@
-"""What one HTTP connection may hold: a deadline for its request headers, and a server-wide budget of
-request-body bytes.
+"""What one HTTP connection may hold: a deadline for its request headers, a bound on their size, and a
+server-wide budget of request-body bytes. ``mlscale serve`` and ``mlscale ui`` both listen through it.
 
 uvicorn closes an idle keep-alive connection, but has no deadline for headers: a connection that
 never sends a byte, or trickles one header line every few seconds, is held for ever. ``HeaderDeadline``
@@ -9,11 +9,18 @@ later request, the headers must be complete within ``header_timeout_s`` or the c
 so that a request whose body never arrives is answered 408 without ever taking an admission slot; and
 here, a second after that one, for a body nobody reads (a request answered before its body arrived, a
 404 say), which uvicorn would otherwise go on receiving for as long as its client trickles it.
+
+Headers are bounded in bytes too, as nginx's ``large_client_header_buffers`` and h11's
+``max_incomplete_event_size`` bound them (httptools, uvicorn's fast parser, has no bound: a 48 MB header
+is parsed whole, and the event loop stalls meanwhile): past ``max_one_header_bytes`` for one header, or
+``max_header_bytes`` for a request's line and headers together, the request is answered 431 and the
+connection closed, without the rest being parsed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import resource
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +35,9 @@ def _response(status: bytes, message: bytes) -> bytes:
 
 _TIMED_OUT = _response(b"408 Request Timeout", b"request headers took too long")
 _TOO_MANY = _response(b"503 Service Unavailable", b"too many connections (--max-connections); retry later")
+_TOO_LARGE = _response(b"431 Request Header Fields Too Large", b"request headers too large")
+MAX_HEADER_BYTES = 64 * 1024  # a request's line and headers (nginx: 4 x 8 kB buffers; h11: 16 kB)
+MAX_ONE_HEADER_BYTES = 16 * 1024  # one header's name and value
 
 
 class HeaderDeadline(HttpToolsProtocol):
@@ -36,6 +46,8 @@ class HeaderDeadline(HttpToolsProtocol):
     header_timeout_s = 5.0  # set per server by ``protocol_with``
     body_timeout_s = 11.0
     max_connections = 2048
+    max_header_bytes = MAX_HEADER_BYTES
+    max_one_header_bytes = MAX_ONE_HEADER_BYTES
     on_refused: Callable[[], None] = staticmethod(lambda: None)
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -43,6 +55,40 @@ class HeaderDeadline(HttpToolsProtocol):
         self._header_timer: asyncio.TimerHandle | None = None
         self._body_timer: asyncio.TimerHandle | None = None
         self._request_begun = False
+        self._header_bytes = 0  # received while the current request's headers are incomplete
+        self._too_large = False
+
+    def data_received(self, data: bytes) -> None:
+        if self._too_large:
+            return
+        super().data_received(data)
+        if self._header_timer is not None and not self._too_large:  # headers still incomplete after this
+            self._header_bytes += len(data)
+            if self._header_bytes > self.max_header_bytes:
+                self._refuse_too_large()
+
+    def _refuse_too_large(self) -> None:
+        """431 and close, parsing nothing more of this connection."""
+        self._too_large = True
+        self._disarm()
+        if not self.transport.is_closing():
+            self.transport.write(_TOO_LARGE)
+            self.transport.close()
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if len(name) + len(value) > self.max_one_header_bytes:
+            self._too_large = True  # answered when the parser reaches the headers' end (or past the total)
+            return
+        super().on_header(name, value)
+
+    def on_body(self, body: bytes) -> None:
+        if not self._too_large:
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        self._disarm_body()
+        if not self._too_large:
+            super().on_message_complete()
 
     def _arm(self) -> None:
         if self._header_timer is None:
@@ -84,18 +130,17 @@ class HeaderDeadline(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._request_begun = True
+        self._header_bytes = 0
         self._arm()
 
     def on_headers_complete(self) -> None:
         self._disarm()
         self._request_begun = False
+        if self._too_large:
+            return self._refuse_too_large()
         self._disarm_body()
         self._body_timer = self.loop.call_later(self.body_timeout_s, self._body_too_slow)
         super().on_headers_complete()
-
-    def on_message_complete(self) -> None:
-        self._disarm_body()
-        super().on_message_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
@@ -104,13 +149,23 @@ class HeaderDeadline(HttpToolsProtocol):
 
 
 def protocol_with(header_timeout_s: float, read_timeout_s: float, max_connections: int,
-                  on_refused: Callable[[], None] = lambda: None) -> type[HeaderDeadline]:
+                  on_refused: Callable[[], None] = lambda: None, *, max_header_bytes: int = MAX_HEADER_BYTES,
+                  max_one_header_bytes: int = MAX_ONE_HEADER_BYTES) -> type[HeaderDeadline]:
     """The protocol class uvicorn instantiates per connection, with this server's limits: open
-    connections, the time to send headers, and a second past the app's own body deadline for a body
-    nobody reads."""
+    connections, the time to send headers and their size, and a second past the app's own body deadline
+    for a body nobody reads."""
     return type("HeaderDeadlineProtocol", (HeaderDeadline,),
                 {"header_timeout_s": header_timeout_s, "body_timeout_s": read_timeout_s + 1.0,
-                 "max_connections": max_connections, "on_refused": staticmethod(on_refused)})
+                 "max_connections": max_connections, "on_refused": staticmethod(on_refused),
+                 "max_header_bytes": max_header_bytes, "max_one_header_bytes": max_one_header_bytes})
+
+
+def open_file_connection_limit(cap: int = 2048) -> int:
+    """The connections the process's open-file limit allows (a socket is a file; room is left for
+    models, logs and the registry), at most ``cap``: past it a connection is refused (503) instead of
+    ``accept`` failing for every client alike."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return max(64, min(cap, (soft if soft != resource.RLIM_INFINITY else 4096) - 128))
 
 
 class BodyBudget:

@@ -4,14 +4,17 @@ fetched from elsewhere) and a JSON API it calls; a run in progress reaches the p
 
 Only GET is routed: the UI changes nothing it shows. With a token (``--token`` or ``$MLSCALE_UI_TOKEN``;
 required to listen beyond loopback) every request must carry it: ``Authorization: Bearer``, or the
-cookie a first visit to ``/?token=...`` sets (HttpOnly, SameSite=Strict; the token leaves the address bar).
+cookie a first visit to ``/?token=...`` sets (HttpOnly, SameSite=Strict, named for the port, holding a value
+derived from the token, never the token; the token leaves the address bar).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import ipaddress
+import logging
 import math
 import urllib.parse
 from collections.abc import AsyncIterator
@@ -39,6 +42,7 @@ COOKIE = "mlscale_ui"
 TOKEN_ENV = "MLSCALE_UI_TOKEN"
 LIVE_POLL_S = 0.5  # how often a live run's records are looked at for new lines
 MAX_POINTS = 4000
+log = logging.getLogger("mlscale.ui")
 
 # The page loads only what the package ships (no CDN, no inline script); charts draw on canvas.
 SECURITY_HEADERS = {
@@ -77,8 +81,21 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def cookie_for(token: str, port: int) -> tuple[str, str]:
+    """The login cookie of the UI on ``port``: its name (per port: browsers send a host's cookies to
+    every port of it) and a value derived from the token (a cookie that reaches another server on the
+    same host gives it neither the token nor a key to another UI)."""
+    value = hmac.new(token.encode(), f"mlscale-ui-cookie:{port}".encode(), hashlib.sha256).hexdigest()
+    return f"{COOKIE}_{port}", value
+
+
+def _host(request: Request) -> str:
+    return urllib.parse.urlsplit("//" + request.headers.get("host", "")).hostname or ""
+
+
 class TokenGate:
-    """Every request carries the token (header or cookie) when one is set; ``/?token=`` sets the cookie."""
+    """Every request carries the token (header or cookie) when one is set; ``/?token=`` sets the cookie
+    (``Secure`` unless the page is on a loopback name, where browsers keep it over plain http)."""
 
     def __init__(self, app: ASGIApp, token: str | None) -> None:
         self.app, self.token = app, token
@@ -89,24 +106,54 @@ class TokenGate:
         request = Request(scope)
         if not self.token:  # loopback, no token: only requests addressed to this machine's own names, so a
             # page elsewhere whose name a DNS rebinding points here cannot read the API
-            host = urllib.parse.urlsplit("//" + request.headers.get("host", "")).hostname or ""
-            if not is_loopback(host):
+            if not is_loopback(_host(request)):
                 return await PlainTextResponse("mlscale ui: address it as 127.0.0.1 or localhost", 421)(
                     scope, receive, send)
             return await self.app(scope, receive, send)
+        name, value = cookie_for(self.token, (scope.get("server") or ("", 0))[1] or 0)
         given = request.query_params.get("token")
         if given is not None and scope["path"] == "/" and hmac.compare_digest(given.encode(), self.token.encode()):
             response = RedirectResponse("/", 303)
-            response.set_cookie(COOKIE, self.token, httponly=True, samesite="strict", path="/")
+            secure = scope.get("scheme") == "https" or not is_loopback(_host(request))
+            response.set_cookie(name, value, httponly=True, samesite="strict", path="/", secure=secure)
             return await response(scope, receive, send)
         header = request.headers.get("authorization", "")
-        offered = header.removeprefix("Bearer ").strip() if header.startswith("Bearer ") else \
-            request.cookies.get(COOKIE, "")
-        if not hmac.compare_digest(offered.encode(), self.token.encode()):
+        if header.startswith("Bearer "):
+            allowed = hmac.compare_digest(header.removeprefix("Bearer ").strip().encode(), self.token.encode())
+        else:
+            allowed = hmac.compare_digest(request.cookies.get(name, "").encode(), value.encode())
+        if not allowed:
             response = PlainTextResponse("mlscale ui: this address needs the UI's token: open /?token=TOKEN once "
                                          "(the token is in $MLSCALE_UI_TOKEN where the UI was started)", 401)
             return await response(scope, receive, send)
         return await self.app(scope, receive, send)
+
+
+class Contained:
+    """An error no handler expected answers 500 with one short line in the log (rate-limited), not a
+    traceback per request: the files the UI reads are others' to write, so what they hold must not be
+    able to flood the log either."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def watched(message: dict[str, Any]) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception as exc:
+            log.warning("mlscale ui: %s failed: %s: %s", scope.get("path"), type(exc).__name__,
+                        str(exc).splitlines()[0][:200] if str(exc) else "")
+            if not started:
+                await json_response({"error": "the UI could not answer this request"}, 500)(scope, receive, send)
 
 
 class SecurityHeaders:
@@ -129,13 +176,15 @@ class SecurityHeaders:
 
 
 def _number(request: Request, name: str) -> float | None:
+    """A query parameter as a finite number (None when absent or not one)."""
     raw = request.query_params.get(name)
-    if raw in (None, ""):
+    if raw in (None, "") or len(raw) > 32:
         return None
     try:
-        return float(raw)
+        number = float(raw)
     except ValueError:
         return None
+    return number if math.isfinite(number) else None
 
 
 def build_app(settings: UiSettings) -> Starlette:
@@ -179,14 +228,16 @@ def build_app(settings: UiSettings) -> Starlette:
             yield b"retry: 2000\n\n"
             while not await request.is_disconnected():
                 await asyncio.to_thread(view.refresh)
-                total, rows = await asyncio.to_thread(view.rows, sent)
+                total, rows = await asyncio.to_thread(view.rows, sent)  # at most LIVE_ROWS: memory bounded
                 if total < sent:  # the records were read again from the start (a resumed run)
                     yield b"event: reset\ndata: {}\n\n"
                     sent = 0
                     continue
                 if rows:
-                    sent = total
+                    sent += len(rows)
                     yield b"event: rows\ndata: " + orjson.dumps(rows) + b"\n\n"
+                    if sent < total:
+                        continue  # more to catch up on: the next rows at once
                 else:
                     yield b": idle\n\n"
                 await asyncio.sleep(LIVE_POLL_S)
@@ -222,6 +273,7 @@ def build_app(settings: UiSettings) -> Starlette:
         Mount("/static", StaticFiles(directory=STATIC), name="static"),
     ]
     app = Starlette(routes=routes, exception_handlers={LookupError: not_found, MlscaleError: refused},
-                    middleware=[Middleware(SecurityHeaders), Middleware(TokenGate, token=settings.token)])
+                    middleware=[Middleware(Contained), Middleware(SecurityHeaders),
+                                Middleware(TokenGate, token=settings.token)])
     app.state.catalog = catalog
     return app

@@ -2,16 +2,21 @@
 and then only as they grow, and down-sampled on this side so that a long run on many ranks reaches the
 page as a few hundred points a chart (full resolution where the page zooms in).
 
-Everything here reads the run directory through ``RunDir`` and ``read_records``: the files a run writes
-are the UI's only source, so what the page shows is what ``metrics.jsonl`` and the logs say.
+Everything here reads the run directory through ``RunDir``'s names and ``RunsFolder`` (``files.py``): the
+files a run writes are the UI's only source, so what the page shows is what ``metrics.jsonl`` and the logs
+say. They are untrusted too (a shared folder): every value is checked for its type and range as it is read,
+a line or entry that fails is dropped and counted, what one run may hold in memory is bounded, and a run
+whose files cannot be read is shown as unreadable with the reason, never as an error of the whole UI.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import operator
 import os
+import re
 import threading
 import time
 from array import array
@@ -23,8 +28,8 @@ from typing import Any
 import numpy as np
 import orjson
 
-from mlscale.io import read_records
 from mlscale.rundir import RunDir
+from mlscale.ui.files import LISTED, RunsFolder, Unreadable
 
 # The split of a step the page stacks, in the order it stacks them (StepTimes' names in metrics.jsonl).
 SPLIT_KEYS = ("compute_ms", "comm_exposed_ms", "data_wait_ms", "optimizer_ms")
@@ -36,40 +41,80 @@ TAIL_BYTES = 1 << 20  # the runs table reads a run's newest metrics line from th
 KEEP_RUNS = 16  # runs whose records are kept in memory (the most recently asked for)
 WARM_RUNS = 8  # runs whose records the UI reads when it starts, the most recently started first
 HEAT_CELLS = 12_000  # the straggler heat map's budget: drawn in well under a second, finer than its pixels
+# What one run may hold (a shared folder is untrusted: a planted metrics.jsonl must not exhaust the UI)
+MAX_LINE_BYTES = 1 << 20  # a metrics line longer than this is skipped (a real one is a few kB a rank)
+READ_BYTES = 256 << 20  # read from metrics.jsonl in one refresh; the rest in the next
+CHUNK_BYTES = 8 << 20  # read and parsed at a time
+MAX_LINES = 2_000_000  # metrics lines kept for a run; later ones are counted, not kept
+MAX_RANKS = 1024  # distinct ranks kept for a run; entries of further ranks are dropped and counted
+MAX_RANK_NUMBER = 1 << 20
+MAX_CELLS = 8_000_000  # lines x ranks of per-rank values (each of 7 keys a float64 matrix when drawn)
+KEEP_CELLS = 16_000_000  # across the runs kept in memory: the least recently asked for are forgotten first
+MAX_EXTRAS = 64  # eval entries, stragglers or spans one line may carry
+SHORT = 200  # characters of a text field (task, strategy, status) shown
+LIVE_ROWS = 500  # rows sent in one live-stream message
+ERROR_KEPT = 4000  # characters of a worker's error kept for the events table's detail
+FAULT_KINDS = ("kill", "hang", "fault")
+REPLICA_LOG = re.compile(r"replica([0-9]{1,6})(?:-rank([0-9]{1,6}))?\.jsonl")
+RANK_CHOICE = re.compile(r"[0-9]{1,7}")
+log = logging.getLogger("mlscale.ui")
 
 
 def find_runs(root: Path) -> dict[str, Path]:
     """Every run directory (one holding ``config.json``) at or under ``root``, by its path relative to
-    ``root`` (``.`` for ``root`` itself); hidden folders and a run's own sub-folders are not searched."""
+    ``root`` (``.`` for ``root`` itself); hidden folders and a run's own sub-folders are not searched, nor
+    a folder whose real path (symlinks resolved) lies outside ``root``."""
     found: dict[str, Path] = {}
+    folder = RunsFolder(root)
 
-    def walk(folder: Path, depth: int) -> None:
-        if RunDir(folder).config_path.is_file():
-            found[folder.relative_to(root).as_posix()] = folder
+    def walk(here: Path, depth: int) -> None:
+        if RunDir(here).config_path.is_file():
+            found[here.relative_to(root).as_posix()] = here
             return
         if depth >= MAX_DEPTH:
             return
-        try:
-            children = sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
-        except OSError:
-            return
+        children = sorted(Path(e.path) for e in folder.listing(here, LISTED * 10)
+                          if not e.name.startswith(".") and _is_dir(e))
         for child in children:
-            walk(child, depth + 1)
+            if folder.inside(child):
+                walk(child, depth + 1)
 
     if root.is_dir():
         walk(root, 0)
     return found
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
+def _is_dir(entry: os.DirEntry[str]) -> bool:
     try:
-        return orjson.loads(path.read_bytes())
-    except (OSError, orjson.JSONDecodeError):
-        return None
+        return entry.is_dir()
+    except OSError:
+        return False
 
 
 def _finite(value: Any) -> float | None:
-    return value if isinstance(value, (int, float)) and math.isfinite(value) else None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) \
+        and math.isfinite(value) else None
+
+
+def _whole(value: Any, low: int = -(1 << 53), high: int = 1 << 53) -> int | None:
+    """An integer in [low, high) (a float with no fraction counts), else None."""
+    number = _finite(value)
+    if number is None or not number.is_integer() or not low <= number < high:
+        return None
+    return int(number)
+
+
+def _text(value: Any) -> str | None:
+    """A text field as the page shows it: a string (cut to ``SHORT``), or None."""
+    if isinstance(value, str):
+        return value if len(value) <= SHORT else value[:SHORT - 1] + "…"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    return None
+
+
+def _object(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
 
 
 _RANK_VALUES = operator.itemgetter("rank", *RANK_KEYS)
@@ -78,9 +123,43 @@ _WIDTH = 1 + len(RANK_KEYS)
 
 def _rank_values(entry: dict[str, Any]) -> list[float]:
     """(rank, *RANK_KEYS) of one per_rank entry; a key an older record lacks reads as its neutral value,
-    a value that is not a number as NaN."""
+    a value that is not a finite number as NaN."""
     values = [entry.get("rank", 0), *(entry.get(k, 1.0 if k == "straggler_score" else 0.0) for k in RANK_KEYS)]
-    return [float(v) if isinstance(v, (int, float)) else math.nan for v in values]
+    return [math.nan if (number := _finite(v)) is None else number for v in values]
+
+
+def _extras(record: dict[str, Any], series: Series) -> dict[str, Any]:
+    """A line's evaluations, flagged stragglers and steps without every replica, each checked (what is
+    not the expected shape is dropped and counted), so the page draws them without a second look."""
+    out: dict[str, Any] = {}
+    evals = [e for e in _items(record.get("eval")) if isinstance(e, dict) and _whole(e.get("step")) is not None]
+    evals = [{"step": _whole(e["step"]), **{str(k)[:SHORT]: v for k, v in e.items()
+                                             if k != "step" and _finite(v) is not None}} for e in evals]
+    stragglers = [r for r in map(lambda r: _whole(r, 0, MAX_RANK_NUMBER), _items(record.get("stragglers")))
+                  if r is not None]
+    spans = [span for span in map(_span, _items(record.get("degraded_steps"))) if span is not None]
+    for key, value, given in (("eval", evals, record.get("eval")), ("stragglers", stragglers, record.get("stragglers")),
+                              ("degraded_steps", spans, record.get("degraded_steps"))):
+        if value:
+            out[key] = value
+        if given and len(value) != (len(given) if isinstance(given, list) else -1):
+            series.drop(f"{key} entries that are not the expected shape")
+    return out
+
+
+def _items(value: Any) -> list[Any]:
+    return value[:MAX_EXTRAS] if isinstance(value, list) else []
+
+
+def _span(value: Any) -> dict[str, Any] | None:
+    """A ``degraded_steps`` span: {"steps": [first, last], "participants": [replica groups]}."""
+    if not isinstance(value, dict) or not isinstance(value.get("steps"), list) or len(value["steps"]) != 2:
+        return None
+    first, last = (_whole(s) for s in value["steps"])
+    members = [_whole(m, 0, MAX_RANK_NUMBER) for m in _items(value.get("participants"))]
+    if first is None or last is None or None in members:
+        return None
+    return {"steps": [first, last], "participants": members}
 
 
 @dataclass
@@ -89,48 +168,102 @@ class Series:
     (line, rank, *RANK_KEYS) and laid out as a lines x ranks matrix per key when asked.
 
     A resumed run appends the steps after its checkpoint again: the later line of a step supersedes the
-    earlier one. ``kept`` are the lines that stand (steps strictly increasing), what the charts draw."""
+    earlier one. ``kept`` are the lines that stand (steps strictly increasing), what the charts draw.
 
-    steps: list[int] = field(default_factory=list)
-    loss: list[float] = field(default_factory=list)
-    lr: list[float] = field(default_factory=list)
-    samples_per_s: list[float] = field(default_factory=list)
+    Bounded whatever the file holds: at most ``MAX_LINES`` lines, ``MAX_RANKS`` ranks and ``MAX_CELLS``
+    lines x ranks; what does not fit or is not a valid value is dropped and counted in ``dropped``."""
+
+    steps: array = field(default_factory=lambda: array("q"))
+    loss: array = field(default_factory=lambda: array("d"))
+    lr: array = field(default_factory=lambda: array("d"))
+    samples_per_s: array = field(default_factory=lambda: array("d"))
     ranks: list[int] = field(default_factory=list)  # every rank seen, sorted
     flat: array = field(default_factory=lambda: array("d"))  # (rank, *RANK_KEYS) per per_rank entry, in line order
-    line_start: list[int] = field(default_factory=list)  # the entry each line's entries begin at
+    line_start: array = field(default_factory=lambda: array("q"))  # the entry each line's entries begin at
     extras: dict[int, dict[str, Any]] = field(default_factory=dict)  # line -> eval, stragglers, degraded steps
     kept: list[int] = field(default_factory=list)
+    dropped: dict[str, int] = field(default_factory=dict)  # what was not kept, by reason
     _matrices: dict[str, np.ndarray] = field(default_factory=dict)
     _rank_set: set[int] = field(default_factory=set)
 
+    def drop(self, reason: str, count: int = 1) -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + count
+
+    @property
+    def cells(self) -> int:
+        """Lines x ranks: what laying out the per-rank matrices costs (the memory bound's unit)."""
+        return len(self.steps) * max(1, len(self.ranks))
+
     def add(self, record: dict[str, Any]) -> None:
-        line, step = len(self.steps), int(record.get("step", 0))
+        step = _whole(record.get("step", 0))
+        if step is None:
+            return self.drop("lines without a whole step number")
+        if len(self.steps) >= MAX_LINES or (len(self.steps) + 1) * max(1, len(self.ranks)) > MAX_CELLS:
+            return self.drop("lines past what the UI keeps of a run")
+        line = len(self.steps)
         loss = _finite(record.get("loss"))
         self.steps.append(step)
         self.loss.append(math.nan if loss is None else loss)
-        self.lr.append(record.get("lr") or 0.0)
-        self.samples_per_s.append(record.get("samples_per_s") or 0.0)
+        self.lr.append(_finite(record.get("lr")) or 0.0)
+        self.samples_per_s.append(_finite(record.get("samples_per_s")) or 0.0)
         self.line_start.append(len(self.flat) // _WIDTH)
-        entries = record.get("per_rank") or ()
-        try:
-            self.flat.fromlist(list(chain.from_iterable(map(_RANK_VALUES, entries))))
-        except (KeyError, TypeError):  # a key missing (an older record) or not a number: entry by entry
-            del self.flat[self.line_start[-1] * _WIDTH:]
-            for entry in entries:
-                self.flat.fromlist(_rank_values(entry))
-        # the rank numbers this line brought, from its rank column (a set built in C: no loop over entries)
-        seen = set(self.flat[self.line_start[-1] * _WIDTH::_WIDTH])
-        if not seen <= self._rank_set:
-            seen = {int(rank) for rank in seen if rank.is_integer()}  # a rank that is not a number is NaN
-            self._rank_set |= seen
-            self.ranks = sorted(self._rank_set)
+        self._add_entries(record.get("per_rank"))
         self._matrices.clear()
-        extra = {key: record[key] for key in ("eval", "stragglers", "degraded_steps") if record.get(key)}
+        extra = _extras(record, self)
         if extra:
             self.extras[line] = extra
         while self.kept and self.steps[self.kept[-1]] >= step:
             self.kept.pop()
         self.kept.append(line)
+
+    def _add_entries(self, entries: Any) -> None:
+        """A line's per-rank entries: the fast way (C loops) when every entry is whole, entry by entry
+        (each checked) otherwise."""
+        if not entries:
+            return
+        if not isinstance(entries, list):
+            return self.drop("per-rank lists that are not lists")
+        if len(entries) > MAX_RANKS:
+            self.drop("per-rank entries past the rank bound", len(entries) - MAX_RANKS)
+            entries = entries[:MAX_RANKS]
+        start = self.line_start[-1] * _WIDTH
+        try:
+            self.flat.fromlist(list(chain.from_iterable(map(_RANK_VALUES, entries))))
+        except (KeyError, TypeError, OverflowError):  # a key missing (an older record), not a number
+            del self.flat[start:]
+            for entry in entries:
+                if isinstance(entry, dict):
+                    self.flat.fromlist(_rank_values(entry))
+                else:
+                    self.drop("per-rank entries that are not objects")
+        # the rank numbers this line brought, from its rank column (a set built in C: no loop over entries)
+        seen = set(self.flat[start::_WIDTH])
+        if not seen <= self._rank_set:
+            self._admit(seen - self._rank_set, start)
+
+    def _admit(self, new: set[float], start: int) -> None:
+        """Ranks first seen on this line: kept while whole, in range and within the bounds; the line's
+        entries of any other are removed (a NaN rank, one that is no number, is never a row)."""
+        admitted = set()
+        for rank in sorted(new, key=lambda r: (math.isnan(r), r)):
+            whole = _whole(rank, 0, MAX_RANK_NUMBER)
+            if whole is None or whole != rank:
+                continue
+            if len(self._rank_set) + len(admitted) >= MAX_RANKS \
+                    or len(self.steps) * (len(self._rank_set) + len(admitted) + 1) > MAX_CELLS:
+                break
+            admitted.add(rank)
+        refused = {r for r in new - admitted if not math.isnan(r)}
+        if refused or any(math.isnan(r) for r in new):
+            rows = [self.flat[i:i + _WIDTH] for i in range(start, len(self.flat), _WIDTH)]
+            keep = [row for row in rows if row[0] in self._rank_set or row[0] in admitted]
+            self.drop("per-rank entries of no valid rank or past the rank bound", len(rows) - len(keep))
+            del self.flat[start:]
+            for row in keep:
+                self.flat.extend(row)
+        if admitted:
+            self._rank_set |= {int(r) for r in admitted}
+            self.ranks = sorted(self._rank_set)
 
     def row(self, line: int) -> dict[str, Any]:
         """Line ``line`` as the page draws it (the live stream sends these)."""
@@ -199,155 +332,229 @@ def _clean(values: np.ndarray, digits: int = 4) -> list[Any]:
 
 
 class RunView:
-    """One run directory, read as it grows: ``refresh`` parses only the lines appended since the last
-    call (a file that shrank, a resumed run cutting a torn line, is read again from the start)."""
+    """One run directory, read as it grows: ``refresh`` parses only the bytes appended since the last
+    call (a line still being written is held, not read again; a file cut short is read again from the
+    start). Every file is read through ``folder`` (``RunsFolder``): a standalone view is bounded by its
+    own directory."""
 
-    def __init__(self, run_id: str, path: Path) -> None:
+    def __init__(self, run_id: str, path: Path, folder: RunsFolder | None = None) -> None:
         self.id, self.run = run_id, RunDir(path)
+        self.folder = folder or RunsFolder(path)
         self.series = Series()
-        self._offset = 0
+        self.problem: str | None = None  # why metrics.jsonl cannot be read, if it cannot
+        self._offset = 0  # metrics.jsonl's bytes up to the end of the last whole line parsed
+        self._read_to = 0  # and read (a line still being written is held in ``_pending``)
+        self._pending = b""
+        self._skipping = False  # inside a line longer than MAX_LINE_BYTES: dropped up to its newline
         self._lock = threading.Lock()
 
     def refresh(self) -> int:
-        """Read what metrics.jsonl gained; returns how many lines it has now."""
+        """Read what metrics.jsonl gained (at most ``READ_BYTES`` a call); returns how many lines it has."""
         with self._lock:
-            path = self.run.metrics_path
             try:
-                size = path.stat().st_size
-            except OSError:
-                size = 0
-            if size < self._offset:  # cut short (a torn line removed on resume) or replaced
-                self.series, self._offset = Series(), 0
-            if size > self._offset:
-                with path.open("rb") as handle:
-                    handle.seek(self._offset)
-                    data = handle.read(size - self._offset)
-                end = data.rfind(b"\n") + 1  # a line still being written waits for its newline
-                self._offset += end
-                for line in data[:end].splitlines():
-                    try:
-                        record = orjson.loads(line)
-                    except orjson.JSONDecodeError:
-                        try:  # NaN or Infinity (a diverged loss, as Python's json writes it): the slow way
-                            record = json.loads(line)
-                        except ValueError:
-                            continue  # a torn line a killed run left (cut off when it resumes)
-                    if isinstance(record, dict):
-                        self.series.add(record)
+                self._read_more()
+                self.problem = None
+            except Unreadable as exc:
+                self.problem = str(exc)
             return len(self.series.steps)
+
+    def _restart(self) -> None:
+        self.series, self._offset, self._read_to, self._pending, self._skipping = Series(), 0, 0, b"", False
+
+    def _read_more(self) -> None:
+        path = self.run.metrics_path
+        size = _size(path)
+        if size is None:
+            return
+        if size < self._offset:  # replaced, or cut short below what was parsed
+            self._restart()
+        elif size < self._read_to or (self._pending and self.folder.read(
+                path, len(self._pending), self._offset) != self._pending):  # the torn line cut off on resume
+            self._read_to, self._pending, self._skipping = self._offset, b"", False
+        budget = READ_BYTES
+        while size > self._read_to and budget > 0:
+            try:
+                data = self.folder.read(path, min(CHUNK_BYTES, size - self._read_to, budget), self._read_to)
+            except FileNotFoundError:
+                return
+            if not data:
+                return
+            self._read_to += len(data)
+            budget -= len(data)
+            self._parse(data)
+
+    def _parse(self, data: bytes) -> None:
+        if self._skipping:
+            newline = data.find(b"\n")
+            if newline < 0:
+                return
+            self._offset += newline + 1
+            data, self._skipping = data[newline + 1:], False
+        data = self._pending + data
+        end = data.rfind(b"\n") + 1  # a line still being written waits for its newline
+        self._pending = data[end:]
+        if len(self._pending) > MAX_LINE_BYTES:
+            self.series.drop("lines longer than 1 MB")
+            self._offset += end + len(self._pending)
+            self._pending, self._skipping = b"", True
+        else:
+            self._offset += end
+        for line in data[:end].splitlines():
+            if len(line) > MAX_LINE_BYTES:
+                self.series.drop("lines longer than 1 MB")
+                continue
+            record = _parse_line(line)
+            if isinstance(record, dict):
+                self.series.add(record)
 
     def forget(self) -> None:
         """Drop the records read so far (memory): read again from the start when next asked for."""
         with self._lock:
             if self.series.steps:
-                self.series, self._offset = Series(), 0
+                self._restart()
 
-    def rows(self, start: int) -> tuple[int, list[dict[str, Any]]]:
-        """The lines from ``start`` on (the live stream): (lines now, rows)."""
+    def rows(self, start: int, limit: int = LIVE_ROWS) -> tuple[int, list[dict[str, Any]]]:
+        """At most ``limit`` lines from ``start`` on (the live stream): (lines now, rows)."""
         with self._lock:
             series = self.series
-            return len(series.steps), [series.row(line) for line in range(start, len(series.steps))]
+            end = min(len(series.steps), start + limit)
+            return len(series.steps), [series.row(line) for line in range(start, end)]
 
     # -- what the page asks for -----------------------------------------------------------------------
     def report(self) -> dict[str, Any] | None:
         """report.json, unless it is an earlier launch's: a resumed (or restarted) run writes config.json
         again when it starts, and its report only when it ends."""
-        report = _read_json(self.run.report_path)
+        report = self.folder.json(self.run.report_path)
+        if report is not None and not isinstance(report, dict):
+            raise Unreadable("report.json is not a JSON object")
         if report is not None and (_mtime(self.run.config_path) or 0.0) > (_mtime(self.run.report_path) or 0.0):
             return None
         return report
 
+    def config(self) -> dict[str, Any]:
+        config = self.folder.json(self.run.config_path)
+        if not isinstance(config, dict):
+            raise Unreadable("config.json is not a JSON object")
+        return config
+
     def _last_record(self) -> dict[str, Any]:
         """The newest metrics line: from the records if read, else from the file's tail only (the runs
         table reads no run whole)."""
+        size = _size(self.run.metrics_path) or 0
         with self._lock:
-            if self.series.steps and (_size(self.run.metrics_path) or 0) == self._offset:  # read to the end
+            if self.series.steps and size == self._offset:  # read to the end
                 last = len(self.series.steps) - 1
                 return {"step": self.series.steps[last], "loss": self.series.loss[last],
                         "samples_per_s": self.series.samples_per_s[last]}
         try:
-            with self.run.metrics_path.open("rb") as handle:
-                handle.seek(max(0, handle.seek(0, os.SEEK_END) - TAIL_BYTES))
-                tail = handle.read()
-        except OSError:
+            tail = self.folder.read(self.run.metrics_path, TAIL_BYTES, max(0, size - TAIL_BYTES))
+        except (OSError, Unreadable):
             return {}
-        for line in reversed(tail.splitlines()[1:] if len(tail) == TAIL_BYTES else tail.splitlines()):
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue
+        for line in reversed(tail.splitlines()[1:] if size > TAIL_BYTES else tail.splitlines()):
+            record = _parse_line(line)
             if isinstance(record, dict):
                 return record
         return {}
 
     def summary(self) -> dict[str, Any]:
-        """The runs table's row (config, report and the newest metrics line)."""
-        config = _read_json(self.run.config_path) or {}
+        """The runs table's row (config, report and the newest metrics line); a run that cannot be read
+        is a row of its own saying why, never an error of the table."""
+        try:
+            return self._summary()
+        except Unreadable as exc:
+            return self._unreadable(str(exc))
+        except Exception as exc:  # a shape nothing here expected: this run alone, in one line
+            log.warning("mlscale ui: run %s cannot be read: %s", self.id, _short(exc))
+            return self._unreadable(f"unexpected content ({type(exc).__name__})")
+
+    def _unreadable(self, reason: str) -> dict[str, Any]:
+        return {"id": self.id, "status": "unreadable", "reason": reason, "task": None, "strategy": None,
+                "world": None, "steps": None, "total_steps": None, "loss": None, "samples_per_s": None,
+                "restarts": None, "started": _mtime(self.run.config_path), "fault_tolerance": None}
+
+    def _summary(self) -> dict[str, Any]:
+        config = self.config()
         report = self.report()
         last = self._last_record()
-        status = report.get("status", "completed") if report else self._status_without_report()
-        started = _mtime(self.run.config_path)
+        status = (_text(report.get("status")) or "completed") if report else self._status_without_report()
         loss = report.get("final_loss") if report else last.get("loss")
         sps = report.get("samples_per_s") if report else last.get("samples_per_s")
-        restarts = report.get("restarts") if report else len(read_records(self.run.recovery_path))
+        restarts = _whole(report.get("restarts")) if report else len(self.folder.records(self.run.recovery_path))
+        steps = _whole(last.get("step"))
         return {
-            "id": self.id, "status": status, "task": config.get("task"), "strategy": config.get("strategy"),
-            "world": report.get("world_size") if report else _world(self.run, config),
-            "steps": last.get("step", (report or {}).get("steps", 0)),
-            "total_steps": (report or {}).get("steps") or config.get("steps"),
+            "id": self.id, "status": status, "task": _text(config.get("task")),
+            "strategy": _text(config.get("strategy")),
+            "world": _whole(report.get("world_size")) if report else self._world(config),
+            "steps": steps if steps is not None else _whole((report or {}).get("steps")) or 0,
+            "total_steps": _whole((report or {}).get("steps")) or _whole(config.get("steps")),
             "loss": _finite(loss), "samples_per_s": _finite(sps), "restarts": restarts,
-            "started": started, "fault_tolerance": (config.get("recovery") or {}).get("fault_tolerance"),
+            "started": _mtime(self.run.config_path),
+            "fault_tolerance": _text(_object(config.get("recovery")).get("fault_tolerance")),
         }
 
+    def _world(self, config: dict[str, Any]) -> int | None:
+        try:
+            plan = _object(self.folder.json(self.run.plan_path))
+        except Unreadable:
+            plan = {}
+        return _whole(plan.get("processes")) or _whole(config.get("workers"))
+
     def _status_without_report(self) -> str:
-        latest = max([_mtime(self.run.config_path) or 0.0, _mtime(self.run.metrics_path) or 0.0,
-                      *(_mtime(p) or 0.0 for p in _heartbeats(self.run))])
+        beats = [_mtime(Path(e.path)) or 0.0 for e in self.folder.listing(self.run.heartbeats)]
+        latest = max([_mtime(self.run.config_path) or 0.0, _mtime(self.run.metrics_path) or 0.0, *beats])
         return "running" if time.time() - latest <= RUNNING_WITHIN_S else "stopped"
 
     def detail(self) -> dict[str, Any]:
-        """The run page's fixed parts: summary, config, plan, report, memory, pipeline, events."""
+        """The run page's fixed parts: summary, config, plan, report, memory, pipeline, events; each
+        checked for the shape the page draws (an unreadable run: its reason and nothing else)."""
         self.refresh()
         summary = self.summary()
-        report = self.report() or {}
-        return {
-            **summary,
-            "config": _read_json(self.run.config_path) or {},
-            "plan": _read_json(self.run.plan_path) or {},
-            "report": report,
-            "memory": report.get("memory") or [],
-            "pipeline": report.get("pipeline"),
-            "events": self.events(),
-            "ranks": self.series.ranks,
-            "lines": len(self.series.steps),
-        }
+        empty = {"config": {}, "plan": {}, "report": {}, "memory": [], "pipeline": None, "events": [],
+                 "ranks": [], "lines": 0, "dropped": {}}
+        if summary["status"] == "unreadable":
+            return {**summary, **empty}
+        try:
+            report = self.report() or {}
+            plan = self.folder.json(self.run.plan_path)
+            return {
+                **summary, "config": self.config(), "plan": plan if isinstance(plan, dict) else {},
+                "report": {**report, "per_rank": [r for r in _items(report.get("per_rank")) if isinstance(r, dict)]},
+                "memory": _memory(report.get("memory")), "pipeline": _pipeline(report.get("pipeline")),
+                "events": self.events(), "ranks": self.series.ranks, "lines": len(self.series.steps),
+                "dropped": dict(self.series.dropped), **({"reason": self.problem} if self.problem else {}),
+            }
+        except Unreadable as exc:
+            return {**self._unreadable(str(exc)), **empty}
 
     def events(self) -> list[dict[str, Any]]:
         """What happened to the job, by step, for the timeline: injected faults (kill, hang), worker
         errors, restarts and resumes (recovery.jsonl), live recoveries and replica restarts (per-step
-        replica logs), steps without every replica (metrics lines) and the first flag of each straggler."""
+        replica logs), steps without every replica (metrics lines) and the first flag of each straggler.
+        Each field checked: a file's odd value becomes a blank, never a page that throws."""
         events: list[dict[str, Any]] = []
-        for fault in read_records(self.run.faults_path):
-            if fault.get("kind") == "slow":
+        for fault in self.folder.records(self.run.faults_path):
+            kind = fault.get("kind")
+            if kind == "slow":
                 continue
-            step = fault.get("step")
-            events.append({"kind": fault.get("kind", "fault"), "step": step, "rank": fault.get("rank"),
-                           "time": fault.get("time"),
-                           "text": f"{fault.get('kind')} of rank {fault.get('rank')} at step {step} (injected)"})
-        for failure in read_records(self.run.failures_path):
-            step = failure.get("step")
-            error = str(failure.get("error"))
+            kind = kind if kind in FAULT_KINDS else "fault"
+            step, rank = _whole(fault.get("step")), _whole(fault.get("rank"))
+            events.append({"kind": kind, "step": step, "rank": rank, "time": _finite(fault.get("time")),
+                           "text": f"{kind} of rank {rank} at step {step} (injected)"})
+        for failure in self.folder.records(self.run.failures_path):
+            step, rank = _whole(failure.get("step")), _whole(failure.get("rank"))
+            error = str(failure.get("error"))[:ERROR_KEPT]
             shown = error if len(error) <= ERROR_CHARS else error[:ERROR_CHARS - 1] + "…"
-            events.append({"kind": "error", "step": None if step is None else step + 1, "rank": failure.get("rank"),
-                           "time": failure.get("time"), "text": f"rank {failure.get('rank')}: {shown}",
-                           "error": error})
-        for event in read_records(self.run.recovery_path):
-            downtime = event.get("downtime_s")
-            events.append({"kind": "restart", "step": event.get("failed_at_step"), "attempt": event.get("attempt"),
-                           "text": f"restart {event.get('attempt')}: the group stopped after step "
-                                   f"{event.get('failed_at_step')}" + (f", down {downtime:.1f} s" if downtime else "")})
-            events.append({"kind": "resume", "step": event.get("resumed_from_step"), "attempt": event.get("attempt"),
-                           "text": f"resumed from the checkpoint of step {event.get('resumed_from_step')}, "
-                                   f"{event.get('steps_redone')} step(s) redone"})
+            events.append({"kind": "error", "step": None if step is None else step + 1, "rank": rank,
+                           "time": _finite(failure.get("time")), "text": f"rank {rank}: {shown}", "error": error})
+        for event in self.folder.records(self.run.recovery_path):
+            attempt, failed = _whole(event.get("attempt")), _whole(event.get("failed_at_step"))
+            downtime, resumed = _finite(event.get("downtime_s")), _whole(event.get("resumed_from_step"))
+            events.append({"kind": "restart", "step": failed, "attempt": attempt,
+                           "text": f"restart {attempt}: the group stopped after step {failed}"
+                                   + (f", down {downtime:.1f} s" if downtime else "")})
+            events.append({"kind": "resume", "step": resumed, "attempt": attempt,
+                           "text": f"resumed from the checkpoint of step {resumed}, "
+                                   f"{_whole(event.get('steps_redone'))} step(s) redone"})
         events.extend(self._replica_events())
         for first, last, members in self._degraded_spans():
             events.append({"kind": "degraded", "step": first, "until": last, "participants": members,
@@ -376,20 +583,30 @@ class RunView:
                     spans.append((first, last, members))
         return spans
 
+    def _replica_logs(self) -> dict[tuple[int, int], Path]:
+        """The per-step replica logs (``RunDir.replica_log``'s names), by (group, rank), at most ``LISTED``."""
+        found = {}
+        for entry in self.folder.listing(self.run.logs):
+            named = REPLICA_LOG.fullmatch(entry.name)
+            if named:
+                found[int(named[1]), int(named[2] or 0)] = Path(entry.path)
+        return dict(sorted(found.items()))
+
     def _replica_events(self) -> list[dict[str, Any]]:
         events = []
-        for (group, _rank), path in self.run.replica_logs().items():
-            for line in read_records(path):
-                if line.get("event") == "start" and line.get("attempt", 0) > 0:
-                    step = line.get("step") or None  # a replacement with no checkpoint starts at 0: its
-                    # place on the timeline is its live recovery
+        for (group, _rank), path in self._replica_logs().items():
+            for line in self.folder.records(path):
+                attempt, step = _whole(line.get("attempt")) or 0, _whole(line.get("step"))
+                if line.get("event") == "start" and attempt > 0:
+                    step = step or None  # a replacement with no checkpoint starts at 0: its place on the
+                    # timeline is its live recovery
                     events.append({"kind": "replica_restart", "step": step, "replica": group,
-                                   "text": f"replica group {group} restarted (attempt {line['attempt']})"
+                                   "text": f"replica group {group} restarted (attempt {attempt})"
                                            + (f", from step {step}" if step else ", to recover its state live")})
                 elif line.get("event") == "received":
-                    events.append({"kind": "live_recovery", "step": line.get("step"), "replica": group,
+                    events.append({"kind": "live_recovery", "step": step, "replica": group,
                                    "text": f"replica group {group} recovered live: the state of step "
-                                           f"{line.get('step')} from its peers"})
+                                           f"{step} from its peers"})
         return events
 
     def series_payload(self, lo_step: float | None, hi_step: float | None, points: int,
@@ -428,7 +645,7 @@ class RunView:
         means: dict[str, Any] = {}
         for key in (*SPLIT_KEYS, "step_ms"):
             values = series.standing(key)[lo:hi] if ranked else np.zeros((0, len(series.ranks)))
-            if rank.isdigit() and int(rank) in series.ranks:
+            if RANK_CHOICE.fullmatch(rank) and int(rank) in series.ranks:
                 column = values[:, series.ranks.index(int(rank))]
             else:
                 column = _nanmean(values, axis=1) if ranked else np.zeros(0)
@@ -450,6 +667,45 @@ def _nanmean(values: np.ndarray, axis: int) -> np.ndarray:
         return np.nanmean(values, axis=axis)
 
 
+def _parse_line(line: bytes) -> Any:
+    """A metrics line's value; NaN or Infinity (a diverged loss, as Python's json writes it) the slow way;
+    None for a line that is not JSON (a torn line a killed run left, cut off when it resumes)."""
+    try:
+        return orjson.loads(line)
+    except orjson.JSONDecodeError:
+        try:
+            return json.loads(line)
+        except (ValueError, RecursionError):
+            return None
+
+
+def _memory(value: Any) -> list[dict[str, Any]]:
+    """report.json's memory per rank, as the page draws it: a rank and numbers in MB."""
+    rows = []
+    for row in value[:MAX_RANKS] if isinstance(value, list) else []:
+        rank = _whole(row.get("rank"), 0, MAX_RANK_NUMBER) if isinstance(row, dict) else None
+        if rank is not None:
+            rows.append({"rank": rank, **{str(k)[:SHORT]: v for k, v in row.items()
+                                           if str(k).endswith("_mb") and _finite(v) is not None}})
+    return rows
+
+
+def _pipeline(value: Any) -> dict[str, Any] | None:
+    """report.json's pipeline figures, as the page draws them, or None."""
+    if not isinstance(value, dict):
+        return None
+    stages, params = _whole(value.get("stages"), 1, MAX_RANKS), value.get("stage_params")
+    if stages is None or not isinstance(params, list) or any(_finite(p) is None for p in params[:MAX_RANKS]):
+        return None
+    return {**value, "stages": stages, "stage_params": params[:MAX_RANKS], "schedule": _text(value.get("schedule")),
+            "microbatches": _whole(value.get("microbatches")), "ideal_bubble": _finite(value.get("ideal_bubble"))}
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return text[:SHORT]
+
+
 def _mtime(path: Path) -> float | None:
     try:
         return path.stat().st_mtime
@@ -464,24 +720,13 @@ def _size(path: Path) -> int | None:
         return None
 
 
-def _heartbeats(run: RunDir) -> list[Path]:
-    try:
-        return list(run.heartbeats.iterdir())
-    except OSError:
-        return []
-
-
-def _world(run: RunDir, config: dict[str, Any]) -> int | None:
-    plan = _read_json(run.plan_path) or {}
-    return plan.get("processes") or config.get("workers")
-
-
 class RunCatalog:
     """The runs under ``--runs``, found again on every listing (a new run shows up without a restart);
     each run's records kept between calls so only what a run appends is read again."""
 
     def __init__(self, root: Path | None) -> None:
         self.root = root
+        self.folder = RunsFolder(root) if root is not None else None
         self._views: dict[str, RunView] = {}
         self._lock = threading.Lock()
 
@@ -499,13 +744,20 @@ class RunCatalog:
                 path = (found if found is not None else self.ids()).get(run_id)
                 if path is None:
                     return None
-                view = RunView(run_id, path)
+                view = RunView(run_id, path, self.folder)
             if not touch:
                 self._views.setdefault(run_id, view)
                 return self._views[run_id]
             self._views.pop(run_id, None)
             self._views[run_id] = view  # the most recent last
             for older in list(self._views.values())[:-KEEP_RUNS]:
+                older.forget()
+            held = list(self._views.values())
+            cells = sum(v.series.cells for v in held if v.series.steps)
+            for older in held[:-1]:  # and within KEEP_CELLS, the least recently asked for forgotten first
+                if cells <= KEEP_CELLS:
+                    break
+                cells -= older.series.cells if older.series.steps else 0
                 older.forget()
             return view
 

@@ -11,11 +11,14 @@ import threading
 from pathlib import Path
 
 from mlscale.errors import MlscaleError, UsageError
+from mlscale.log_limits import limit_client_fed_logs
 from mlscale.redact import redact_url
+from mlscale.serve.connections import open_file_connection_limit, protocol_with
 from mlscale.ui.app import TOKEN_ENV, UiSettings, build_app, is_loopback
 from mlscale.ui.runs import RunCatalog
 
 DEFAULT_RUNS = "runs"
+HEADER_TIMEOUT_S = 5.0  # a connection's request headers arrive within this, or it is closed
 
 
 def settings_from(runs: str | None, registry: str | None, servers: list[str], host: str, port: int,
@@ -83,6 +86,11 @@ def run_ui(settings: UiSettings, host: str, port: int) -> int:
     print(f"mlscale ui: {address}{login}  [{', '.join(where)}]", file=sys.stderr, flush=True)
     app = build_app(settings)
     threading.Thread(target=_read_ahead, args=(app.state.catalog,), daemon=True, name="read-ahead").start()
-    config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, timeout_graceful_shutdown=2)
+    limit_client_fed_logs()
+    # What a client may hold, as `mlscale serve` bounds it: open connections (past the cap, 503), the time
+    # to send headers, their size (431); the UI takes no body.
+    protocol = protocol_with(HEADER_TIMEOUT_S, HEADER_TIMEOUT_S, open_file_connection_limit(512))
+    config = uvicorn.Config(app, log_level="warning", lifespan="off", access_log=False, timeout_graceful_shutdown=2,
+                            http=protocol, server_header=False, proxy_headers=False)
     uvicorn.Server(config).run(sockets=[sock])
     return 0

@@ -4,15 +4,21 @@ server's own numbers), rates and percentiles computed over the interval between 
 A scrape happens when a page asks, at most once a ``MIN_INTERVAL_S`` per server whoever asks (pages share
 it), and the last ``HISTORY`` results are kept for the time series. Nothing here knows how the server
 works inside: only what any Prometheus scraper would see.
+
+A scraped server is untrusted like any input: one scrape (both of its requests) has a deadline for the
+whole of it, ``SCRAPE_DEADLINE_S``, not a timeout per read that a server sending a byte a second renews
+for ever, and reads at most ``MAX_SCRAPE_BYTES``; past either the server is shown "too slow" or "too large",
+and at most one scrape per server is in flight, so a slow server costs one thread, not one per page.
 """
 
 from __future__ import annotations
 
+import http.client
 import math
+import ssl
 import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +30,51 @@ from mlscale.redact import redact_url
 
 MIN_INTERVAL_S = 1.0
 HISTORY = 300  # scrapes kept per server (5 minutes at one a second)
-TIMEOUT_S = 3.0
+SCRAPE_DEADLINE_S = 3.0  # one whole scrape: /metrics and the statistics, headers and bodies
+MAX_SCRAPE_BYTES = 4 << 20  # one response's body (mlscale's own /metrics is tens of kB)
+
+
+class ScrapeRefused(Exception):
+    """A scrape given up: the short reason the page shows."""
+
+
+def fetch(url: str, deadline: float, limit: int = MAX_SCRAPE_BYTES) -> bytes:
+    """GET ``url``'s body, all of it by ``deadline`` (``time.monotonic``) and at most ``limit`` bytes:
+    each read waits only for the time left, so a server trickling bytes cannot stretch the scrape."""
+    parts = urllib.parse.urlsplit(url)
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise ScrapeRefused("too slow")
+    kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    extra = {"context": ssl.create_default_context()} if parts.scheme == "https" else {}
+    connection = kind(parts.hostname or "", parts.port, timeout=left, **extra)
+    try:
+        connection.request("GET", (parts.path or "/") + (f"?{parts.query}" if parts.query else ""),
+                           headers={"accept": "*/*", "connection": "close"})
+        response = connection.getresponse()
+        if response.status != 200:
+            raise ScrapeRefused(f"HTTP {response.status}")
+        declared = response.getheader("content-length")
+        if declared and declared.isdigit() and int(declared) > limit:
+            raise ScrapeRefused("too large")
+        chunks, size = [], 0
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ScrapeRefused("too slow")
+            if connection.sock is not None:
+                connection.sock.settimeout(left)
+            chunk = response.read1(64 * 1024)
+            if not chunk:
+                return b"".join(chunks)
+            size += len(chunk)
+            if size > limit:
+                raise ScrapeRefused("too large")
+            chunks.append(chunk)
+    except TimeoutError:
+        raise ScrapeRefused("too slow") from None
+    finally:
+        connection.close()
 
 Key = tuple[str, str]  # (model, version)
 
@@ -125,25 +175,20 @@ class ServerWatch:
         self._latest: dict[str, Any] | None = None
         self._lock = threading.Lock()
 
-    def _get(self, path: str) -> bytes:
-        with urllib.request.urlopen(self.url + path, timeout=TIMEOUT_S) as response:
-            return response.read()
-
     def poll(self) -> dict[str, Any]:
         """The server now: scraped unless the last scrape is under a second old; while one scrape is in
-        flight (a slow or unreachable server), everyone else gets the last result instead of waiting."""
-        if not self._lock.acquire(blocking=self._latest is None):
+        flight (a slow or unreachable server), everyone else gets the last result instead of waiting
+        (the first poll waits at most one scrape's deadline)."""
+        if not self._lock.acquire(timeout=SCRAPE_DEADLINE_S + 0.5 if self._latest is None else 0):
             return self._latest or {"url": self.shown, "at": time.time(), "up": False, "error": "scraping"}
         try:
             if self._latest is not None and time.time() - self._latest["at"] < MIN_INTERVAL_S:
                 return self._latest
             try:
-                text = self._get("/metrics").decode()
-                stats = orjson.loads(self._get("/v2/models/stats")).get("model_stats", [])
-                scrape = parse_scrape(text, stats, time.time())
-            except (OSError, urllib.error.URLError, ValueError) as exc:
-                reason = getattr(exc, "reason", None) or exc
-                self._latest = {"url": self.shown, "at": time.time(), "up": False, "error": str(reason)[:200],
+                scrape = self._scrape()
+            except (OSError, ScrapeRefused, ValueError, http.client.HTTPException) as exc:
+                reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc) or type(exc).__name__
+                self._latest = {"url": self.shown, "at": time.time(), "up": False, "error": reason[:200],
                                 "history": list(self.history)}
                 return self._latest
             view = self._view(scrape, self._previous)
@@ -154,12 +199,23 @@ class ServerWatch:
         finally:
             self._lock.release()
 
+    def _scrape(self) -> Scrape:
+        """Both requests within one deadline; the statistics checked for the shape the view reads."""
+        deadline = time.monotonic() + SCRAPE_DEADLINE_S
+        text = fetch(self.url + "/metrics", deadline).decode("utf-8", "replace")
+        answer = orjson.loads(fetch(self.url + "/v2/models/stats", deadline))
+        stats = answer.get("model_stats") if isinstance(answer, dict) else None
+        stats = [entry for entry in stats if isinstance(entry, dict)] if isinstance(stats, list) else []
+        return parse_scrape(text, stats, time.time())
+
     def _view(self, now: Scrape, before: Scrape | None) -> dict[str, Any]:
         span = (now.at - before.at) if before is not None else None
         versions = []
-        for entry in now.stats:
-            name, version = entry.get("name", ""), str(entry.get("version", ""))
-            versions.append(self._version(now, before, span, name, version, entry.get("parameters") or {}))
+        for entry in now.stats[:256]:
+            name, version = str(entry.get("name", ""))[:200], str(entry.get("version", ""))[:64]
+            parameters = entry.get("parameters")
+            versions.append(self._version(now, before, span, name, version,
+                                          parameters if isinstance(parameters, dict) else {}))
         totals = {key: sum(v[key] or 0.0 for v in versions) if before is not None else None  # rates need two
                   for key in ("goodput_per_s", "answered_per_s", "failed_per_s")}
         latency_now = now.buckets("mlscale_inference_request_duration_seconds")
@@ -196,6 +252,7 @@ class ServerWatch:
             misses = _increase(misses, before.value("mlscale_cache_num_misses_per_model", **labels))
         skew = now.label_values("mlscale_feature_skew", "feature", mean=True, **labels)  # one per worker
         role = _parameter(parameters.get("role"))
+        role = role[:32] if isinstance(role, str) else None
         answered, within = rate("mlscale_inference_request_success"), fraction_within(latency, self.slo_s)
         return {
             "model": name, "version": version, "role": role or "primary",
@@ -251,5 +308,5 @@ class ServerBoard:
         for thread in threads:
             thread.start()
         for thread in threads:
-            thread.join(TIMEOUT_S * 2 + 1)
+            thread.join(SCRAPE_DEADLINE_S + 1)
         return [r or {"url": w.shown, "up": False, "error": "no answer"} for r, w in zip(results, self.watches)]

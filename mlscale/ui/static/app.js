@@ -52,7 +52,8 @@ function when(seconds) {
   const date = new Date(seconds * 1000);
   return date.toISOString().replace("T", " ").slice(0, 19);
 }
-function badge(text, kind) { return el("span", { class: `badge ${kind || text}` }, text); }
+function badge(text, kind) { return el("span", { class: `badge ${String(kind || text).replace(/[^\w-]/g, "")}` }, String(text)); }
+const kindName = (kind) => String(kind ?? "").replace(/_/g, " ");
 function chart(id, cls = "") { return el("div", { id, class: `chart ${cls}` }); }
 function draw(id, option) {
   const node = document.getElementById(id);
@@ -151,7 +152,7 @@ async function runsPage() {
     });
     head.querySelectorAll("th").forEach((th) => { th.dataset.sorted = th.dataset.key === sortKey ? (descending ? "desc" : "asc") : ""; });
     body.replaceChildren(...shown.map((r) => el("tr", { "data-run": r.id },
-      el("td", {}, el("a", { href: runHref(r.id) }, r.id)), el("td", {}, badge(r.status)), el("td", {}, r.task),
+      el("td", {}, el("a", { href: runHref(r.id) }, r.id)), el("td", {}, badge(r.status), r.reason ? el("span", { class: "muted", "data-reason": "" }, ` ${r.reason}`) : null), el("td", {}, r.task),
       el("td", {}, r.strategy), el("td", { class: "num" }, fmt(r.world)),
       el("td", { class: "num" }, r.total_steps ? `${fmt(r.steps)} / ${fmt(r.total_steps)}` : fmt(r.steps)),
       el("td", { class: "num" }, fmt(r.loss, 4)), el("td", { class: "num" }, fmt(r.samples_per_s, 1)),
@@ -191,6 +192,7 @@ async function runPage(id, params) {
     others.map((r) => el("option", { value: r.id, selected: r.id === state.overlay }, r.id)));
   view.replaceChildren(
     el("h1", {}, `Run ${id} `, badge(detail.status)),
+    detail.reason ? el("p", { class: "error", id: "run-reason" }, `This run cannot be read: ${detail.reason}`) : null,
     el("div", { class: "card" }, el("div", { class: "facts", id: "run-facts" }, facts(detail))),
     el("div", { class: "toolbar" }, overlay, el("span", { class: "muted", id: "resolution" })),
     el("div", { class: "grid" },
@@ -228,7 +230,7 @@ function eventsTable(events) {
   return el("div", { style: "max-height:300px;overflow:auto" }, el("table", { class: "events", id: "events" },
     el("thead", {}, el("tr", {}, el("th", {}, "step"), el("th", {}, "what"), el("th", {}, ""))),
     el("tbody", {}, events.map((e) => el("tr", { "data-kind": e.kind, "data-step": e.step ?? "" },
-      el("td", {}, e.step ?? "–"), el("td", {}, el("span", { class: "dot", style: `background:${EVENT_COLORS[e.kind] || "#888"}` }), e.kind.replace(/_/g, " ")),
+      el("td", {}, e.step ?? "–"), el("td", {}, el("span", { class: "dot", style: `background:${EVENT_COLORS[e.kind] || "#888"}` }), kindName(e.kind)),
       el("td", { title: e.error || "" }, e.text))))));
 }
 
@@ -236,7 +238,7 @@ function eventsTable(events) {
 function eventMarks(events) {
   const lines = events.filter((e) => e.step !== null && e.step !== undefined && e.kind !== "degraded").map((e) => ({
     xAxis: e.step, name: e.kind, lineStyle: { color: EVENT_COLORS[e.kind] || "#888", type: e.kind === "straggler" ? "dotted" : "dashed" },
-    label: { formatter: e.kind.replace(/_/g, " "), position: "insideEndTop", color: EVENT_COLORS[e.kind] || "#888", fontSize: 10 } }));
+    label: { formatter: kindName(e.kind), position: "insideEndTop", color: EVENT_COLORS[e.kind] || "#888", fontSize: 10 } }));
   const areas = events.filter((e) => e.kind === "degraded").map((e) => [{ xAxis: e.step, itemStyle: { color: "rgba(179,134,0,0.12)" } }, { xAxis: e.until }]);
   return { markLine: { silent: true, symbol: "none", data: lines }, markArea: { silent: true, data: areas } };
 }
@@ -315,7 +317,7 @@ function drawHeat(state) {
   const nearest = (step) => { let best = 0; heatSteps.forEach((s, i) => { if (Math.abs(s - step) < Math.abs(heatSteps[best] - step)) best = i; }); return best; };
   const lines = state.detail.events.filter((e) => ["kill", "kill_in_step", "hang", "restart", "live_recovery"].includes(e.kind) && e.step !== null
     && e.step >= (heatSteps[0] ?? 0) && e.step <= (heatSteps[heatSteps.length - 1] ?? 0))
-    .map((e) => ({ xAxis: stepIndex.has(e.step) ? stepIndex.get(e.step) : nearest(e.step), lineStyle: { color: EVENT_COLORS[e.kind] }, label: { formatter: e.kind.replace(/_/g, " "), position: "insideEndTop", color: EVENT_COLORS[e.kind], fontSize: 10 } }));
+    .map((e) => ({ xAxis: stepIndex.has(e.step) ? stepIndex.get(e.step) : nearest(e.step), lineStyle: { color: EVENT_COLORS[e.kind] }, label: { formatter: kindName(e.kind), position: "insideEndTop", color: EVENT_COLORS[e.kind], fontSize: 10 } }));
   draw("chart-stragglers", { animation: false, grid: { left: 60, right: 90, top: 16, bottom: 40 },
     tooltip: { formatter: (p) => `rank ${d.ranks[p.value[1]]}, step ${steps[p.value[0]]}: ${fmt(p.value[2], 2)}× the fastest` },
     xAxis: { type: "category", data: steps, name: "step", nameLocation: "middle", nameGap: 26 },
