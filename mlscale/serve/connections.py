@@ -56,6 +56,7 @@ class HeaderDeadline(HttpToolsProtocol):
         self._body_timer: asyncio.TimerHandle | None = None
         self._request_begun = False
         self._header_bytes = 0  # received while the current request's headers are incomplete
+        self._parsed_bytes = 0  # the current request's line and headers, as parsed
         self._too_large = False
 
     def data_received(self, data: bytes) -> None:
@@ -75,9 +76,14 @@ class HeaderDeadline(HttpToolsProtocol):
             self.transport.write(_TOO_LARGE)
             self.transport.close()
 
+    def on_url(self, url: bytes) -> None:
+        self._parsed_bytes += len(url)
+        super().on_url(url)
+
     def on_header(self, name: bytes, value: bytes) -> None:
-        if len(name) + len(value) > self.max_one_header_bytes:
-            self._too_large = True  # answered when the parser reaches the headers' end (or past the total)
+        self._parsed_bytes += len(name) + len(value)
+        if len(name) + len(value) > self.max_one_header_bytes or self._parsed_bytes > self.max_header_bytes:
+            self._too_large = True  # answered when the parser reaches the headers' end
             return
         super().on_header(name, value)
 
@@ -130,7 +136,7 @@ class HeaderDeadline(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._request_begun = True
-        self._header_bytes = 0
+        self._header_bytes = self._parsed_bytes = 0
         self._arm()
 
     def on_headers_complete(self) -> None:

@@ -11,6 +11,7 @@ whose files cannot be read is shown as unreadable with the reason, never as an e
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -48,8 +49,10 @@ CHUNK_BYTES = 8 << 20  # read and parsed at a time
 MAX_LINES = 2_000_000  # metrics lines kept for a run; later ones are counted, not kept
 MAX_RANKS = 1024  # distinct ranks kept for a run; entries of further ranks are dropped and counted
 MAX_RANK_NUMBER = 1 << 20
-MAX_CELLS = 8_000_000  # lines x ranks of per-rank values (each of 7 keys a float64 matrix when drawn)
-KEEP_CELLS = 16_000_000  # across the runs kept in memory: the least recently asked for are forgotten first
+MAX_CELLS = 8_000_000  # lines x ranks of per-rank values (a float64 matrix per key while one is drawn)
+CACHE_CELLS = 2_000_000  # a run within this many keeps its matrices laid out between requests
+KEEP_BYTES = 1 << 30  # the records of the runs kept in memory: the least recently asked for forgotten first
+COLUMNS = ("steps", "loss", "lr", "samples_per_s")
 MAX_EXTRAS = 64  # eval entries, stragglers or spans one line may carry
 SHORT = 200  # characters of a text field (task, strategy, status) shown
 LIVE_ROWS = 500  # rows sent in one live-stream message
@@ -92,8 +95,14 @@ def _is_dir(entry: os.DirEntry[str]) -> bool:
 
 
 def _finite(value: Any) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) \
-        and math.isfinite(value) else None
+    """A finite number as a float (an integer too large for one, a bool, anything else: None)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 def _whole(value: Any, low: int = -(1 << 53), high: int = 1 << 53) -> int | None:
@@ -275,27 +284,43 @@ class Series:
                 "per_rank": {str(int(e[0])): dict(zip(RANK_KEYS, e[1:])) for e in entries},
                 **self.extras.get(line, {})}
 
-    def standing(self, key: str) -> np.ndarray:
-        """A column (``loss``, ``lr``, ``samples_per_s``, ``steps``) or a per-rank key's lines x ranks
-        matrix, on the lines that stand (``kept``); laid out once per growth of the records."""
-        if key not in self._matrices:
-            self._layout()
-        return self._matrices[key]
+    def standing(self, key: str, lo: int = 0, hi: int | None = None) -> np.ndarray:
+        """Rows ``lo:hi`` of the lines that stand (``kept``) of a column (``COLUMNS``) or of a per-rank
+        key's lines x ranks matrix. A run within ``CACHE_CELLS`` has each matrix laid out once per growth
+        of its records; a larger one only the rows asked for, each time (its memory stays that of its
+        records, whatever their shape)."""
+        if key in COLUMNS:
+            if key not in self._matrices:
+                kept = np.asarray(self.kept, dtype=np.int64)
+                for column in COLUMNS:
+                    self._matrices[column] = np.asarray(getattr(self, column), dtype=np.float64)[kept]
+            return self._matrices[key][lo:hi]
+        if self.cells <= CACHE_CELLS:
+            if key not in self._matrices:
+                self._matrices[key] = self._layout(key, np.asarray(self.kept, dtype=np.int64))
+            return self._matrices[key][lo:hi]
+        return self._layout(key, np.asarray(self.kept[lo:hi], dtype=np.int64))
 
-    def _layout(self) -> None:
-        flat = np.frombuffer(self.flat, dtype=np.float64).reshape(-1, _WIDTH) if self.flat else np.zeros((0, _WIDTH))
-        counts = np.diff(np.asarray([*self.line_start, len(flat)], dtype=np.int64))
-        lines = np.repeat(np.arange(len(self.steps)), counts)
-        known = np.isin(flat[:, 0], self.ranks)  # an entry without a rank number is left out
-        flat, lines = flat[known], lines[known]
-        ranks = np.searchsorted(self.ranks, flat[:, 0].astype(np.int64))
-        kept = np.asarray(self.kept, dtype=np.int64)
-        for i, key in enumerate(RANK_KEYS):
-            out = np.full((len(self.steps), len(self.ranks)), np.nan)
-            out[lines, ranks] = flat[:, 1 + i]
-            self._matrices[key] = out[kept]
-        for key in ("steps", "loss", "lr", "samples_per_s"):
-            self._matrices[key] = np.asarray(getattr(self, key), dtype=np.float64)[kept]
+    def _layout(self, key: str, lines: np.ndarray) -> np.ndarray:
+        """``key``'s values on ``lines`` (line numbers, increasing) x ranks; NaN where a rank has none."""
+        out = np.full((len(lines), len(self.ranks)), np.nan)
+        if not len(lines) or not self.flat:
+            return out
+        flat = np.frombuffer(self.flat, dtype=np.float64).reshape(-1, _WIDTH)
+        starts = np.frombuffer(self.line_start, dtype=np.int64)
+        first, last = int(lines[0]), int(lines[-1])
+        begin, end = int(starts[first]), int(starts[last + 1]) if last + 1 < len(starts) else len(flat)
+        block = flat[begin:end]
+        line_of = np.repeat(np.arange(first, last + 1), np.diff(np.append(starts[first:last + 1], end)))
+        row = np.minimum(np.searchsorted(lines, line_of), len(lines) - 1)
+        ok = (lines[row] == line_of) & np.isin(block[:, 0], self.ranks)  # a line that stands, a rank kept
+        ranks = np.searchsorted(self.ranks, block[ok, 0].astype(np.int64))
+        out[row[ok], ranks] = block[ok, 1 + RANK_KEYS.index(key)]
+        return out
+
+    def held_bytes(self) -> int:
+        """What the records take in memory, roughly: entries, columns and laid-out matrices."""
+        return len(self.flat) * 8 + len(self.steps) * 40 + sum(m.nbytes for m in self._matrices.values())
 
     def kept_extras(self, key: str) -> list[tuple[int, Any]]:
         """(line, value) of one of the extras, on the lines that stand."""
@@ -363,8 +388,11 @@ class RunView:
 
     def _read_more(self) -> None:
         path = self.run.metrics_path
-        size = _size(path)
-        if size is None:
+        size = self.folder.size(path)
+        if size is None:  # none, or one refused: say why (a link out of the folder, a FIFO, a device)
+            with contextlib.suppress(FileNotFoundError):
+                if os.path.lexists(path):
+                    self.folder.read(path, 0)
             return
         if size < self._offset:  # replaced, or cut short below what was parsed
             self._restart()
@@ -405,7 +433,10 @@ class RunView:
                 continue
             record = _parse_line(line)
             if isinstance(record, dict):
-                self.series.add(record)
+                try:
+                    self.series.add(record)
+                except Exception as exc:  # a shape nothing here expected: the line alone is lost, counted
+                    self.series.drop(f"lines of unexpected content ({type(exc).__name__})")
 
     def forget(self) -> None:
         """Drop the records read so far (memory): read again from the start when next asked for."""
@@ -621,7 +652,7 @@ class RunView:
     def _series_payload(self, lo_step: float | None, hi_step: float | None, points: int,
                         rank: str) -> dict[str, Any]:
         series = self.series
-        steps = series.standing("steps").astype(np.int64) if series.steps else np.zeros(0, dtype=np.int64)
+        steps = series.standing("steps").astype(np.int64)
         lo = int(np.searchsorted(steps, lo_step, "left")) if lo_step is not None else 0
         hi = int(np.searchsorted(steps, hi_step, "right")) if hi_step is not None else len(steps)
         count = max(0, hi - lo)
@@ -634,17 +665,17 @@ class RunView:
             "first_step": int(steps[0]) if len(steps) else None, "last_step": int(steps[-1]) if len(steps) else None,
         }
         for key, digits in (("loss", 6), ("lr", 8), ("samples_per_s", 1)):
-            payload[key] = _clean(_reduce(series.standing(key)[lo:hi], edges, "mean"), digits) if count else []
+            payload[key] = _clean(_reduce(series.standing(key, lo, hi), edges, "mean"), digits) if count else []
         ranked = count if series.ranks else 0
         # the heat map: at most HEAT_CELLS cells (a canvas rectangle each), never fewer columns than 100
         heat_edges = _buckets(ranked, max(100, min(points, HEAT_CELLS // max(1, len(series.ranks)))))
         payload["heat_steps"] = (picked[np.maximum(heat_edges[1:] - 1, 0)] if ranked else picked[:0]).tolist()
-        payload["straggler"] = _clean(_reduce(series.standing("straggler_score")[lo:hi], heat_edges, "max").T, 3) \
+        payload["straggler"] = _clean(_reduce(series.standing("straggler_score", lo, hi), heat_edges, "max").T, 3) \
             if ranked else []
         split: dict[str, Any] = {}
         means: dict[str, Any] = {}
         for key in (*SPLIT_KEYS, "step_ms"):
-            values = series.standing(key)[lo:hi] if ranked else np.zeros((0, len(series.ranks)))
+            values = series.standing(key, lo, hi) if ranked else np.zeros((0, len(series.ranks)))
             if RANK_CHOICE.fullmatch(rank) and int(rank) in series.ranks:
                 column = values[:, series.ranks.index(int(rank))]
             else:
@@ -753,11 +784,11 @@ class RunCatalog:
             for older in list(self._views.values())[:-KEEP_RUNS]:
                 older.forget()
             held = list(self._views.values())
-            cells = sum(v.series.cells for v in held if v.series.steps)
-            for older in held[:-1]:  # and within KEEP_CELLS, the least recently asked for forgotten first
-                if cells <= KEEP_CELLS:
+            size = sum(v.series.held_bytes() for v in held)
+            for older in held[:-1]:  # and within KEEP_BYTES, the least recently asked for forgotten first
+                if size <= KEEP_BYTES:
                     break
-                cells -= older.series.cells if older.series.steps else 0
+                size -= older.series.held_bytes()
                 older.forget()
             return view
 
