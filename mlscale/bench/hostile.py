@@ -96,7 +96,8 @@ async def _hold(target: Target, seconds: float, clients: int,
     finally:
         _close_all(writers)
     return {"clients": clients, "connected": len(opened), "closed_by_server": sum(c for c, _ in results),
-            "answered_408": sum(first.startswith(b"HTTP/1.1 408") for _, first in results)}
+            "answered_408": sum(first.startswith(b"HTTP/1.1 408") for _, first in results),
+            "answered_431": sum(first.startswith(b"HTTP/1.1 431") for _, first in results)}
 
 
 async def slow_headers(target: Target, seconds: float, clients: int = 50, every_s: float = 1.0) -> dict[str, Any]:
@@ -125,6 +126,24 @@ async def slow_bodies(target: Target, seconds: float, clients: int = 256) -> dic
         await writer.drain()
 
     return await _hold(target, seconds, clients, begin)
+
+
+async def big_headers(target: Target, seconds: float, clients: int = 4, size: int = 48_000_000) -> dict[str, Any]:
+    """Each connection sends a request whose one header is ``size`` bytes (48 MB: what stalled the
+    server's health probes for 2 s while its parser took it whole), as fast as the server reads."""
+    chunk = b"a" * 65536
+
+    async def begin(writer: asyncio.StreamWriter) -> None:
+        writer.write(f"GET /v2/health/ready HTTP/1.1\r\nhost: {target.host}\r\nx-big: ".encode())
+        sent = 0
+        with contextlib.suppress(OSError):
+            while sent < size and not writer.is_closing():
+                writer.write(chunk)
+                sent += len(chunk)
+                await writer.drain()
+
+    details = await _hold(target, seconds, clients, begin)
+    return details
 
 
 async def idle_connections(target: Target, seconds: float, clients: int = 400) -> dict[str, Any]:
@@ -258,6 +277,7 @@ async def silent_store(target: Target, seconds: float) -> dict[str, Any]:
 
 ATTACKS: dict[str, Callable[..., Awaitable[dict[str, Any]]]] = {
     "slow_headers": slow_headers, "slow_bodies": slow_bodies, "idle_connections": idle_connections,
+    "big_headers": big_headers,
     "body_flood": body_flood, "big_decodes": big_decodes, "grpc_unfinished": grpc_unfinished,
     "locked_feature_log": locked_feature_log, "silent_redis": silent_store,
 }

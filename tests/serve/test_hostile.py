@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import signal
 import socket
 import sqlite3
 import threading
@@ -131,6 +132,37 @@ def test_a_body_nobody_reads_is_cut_off_a_second_after_the_read_deadline(server)
             except OSError:
                 closed = True
         assert closed and time.monotonic() - start < 3  # --read-timeout-s 1, + 1 s
+
+
+@pytest.mark.alone  # the normal client's p99
+def test_48_mb_headers_are_refused_at_their_first_64_kb_while_the_normal_client_is_served(server):
+    """httptools took a 48 MB header whole (its parser has no bound): the health probes stalled 2 s."""
+    target, _ = server
+    trial = measure(target, "big_headers", ATTACK_S, clients=4)
+    _held_to(trial)
+    assert trial["details"]["closed_by_server"] == trial["details"]["connected"] == 4, trial
+    assert trial["rss_peak_mb"] - trial["rss_idle_mb"] < 32, trial  # was 48 MB a connection, and more
+
+
+def test_one_header_or_all_headers_past_their_bound_are_431(server):
+    _, base = server
+    assert httpx.get(f"{base}/v2/health/ready", headers={"x-one": "a" * 20_000}).status_code == 431
+    assert httpx.get(f"{base}/v2/health/ready", headers={f"x-{i}": "a" * 9_000 for i in range(8)}).status_code == 431
+    assert httpx.get(f"{base}/v2/health/ready", headers={"x-fine": "a" * 8_000}).status_code == 200
+
+
+def test_bad_requests_by_the_hundred_log_a_line_with_a_count_not_a_line_each(serve_registry):
+    """A NUL in a header made uvicorn log "Invalid HTTP request received." once per request."""
+    with running_server(serve_registry, "models:/digits/1", "--no-grpc") as (base, process):
+        port = int(base.rsplit(":", 1)[1])
+        for _ in range(200):
+            with socket.create_connection(("127.0.0.1", port)) as sock:
+                sock.sendall(b"GET /v2/health/live HTTP/1.1\r\nhost: x\r\nx-bad: a\x00b\r\n\r\n")
+                assert sock.recv(4096).startswith(b"HTTP/1.1 400")
+        time.sleep(0.2)
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=30)
+    assert 1 <= stderr.count("Invalid HTTP request received.") <= 2, stderr[-2000:]
 
 
 def test_declaring_large_bodies_and_sending_nothing_holds_no_budget(server):
