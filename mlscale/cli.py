@@ -57,8 +57,9 @@ BENCHMARKS = {
                     "cost to p99; a canary's split"),
     "features": ("mlscale.bench.features", "point-in-time retrieval vs pandas merge_asof; SQLite and Redis lookups"),
     "ui": ("mlscale.bench.ui", "mlscale ui's page load for a run of 100,000 steps on 64 ranks, cold and warm"),
-    "hostile": ("mlscale.bench.hostile", "a normal client's p99 and the server's memory under slow, idle and "
-                "flooding clients"),
+    "hostile": ("mlscale.bench.hostile_bench", "a normal client's p99 and the server's memory under slow, idle and "
+                "flooding clients, and of mlscale ui and the supervisor under planted files, hostile scraped servers "
+                "and signals"),
 }
 
 

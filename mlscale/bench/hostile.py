@@ -14,15 +14,10 @@ process, over one keep-alive connection): it measures what a client sees, not th
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import http.client
 import json
-import os
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -43,6 +38,7 @@ class Target:
     host: str = "127.0.0.1"
     grpc_address: str | None = None
     pid: int | None = None  # the server's process, for its memory
+    method: str = "POST"  # the normal client's request (GET: no body)
 
 
 def _headers(target: Target, length: int, extra: str = "") -> bytes:
@@ -307,8 +303,11 @@ class Probe:
             start = time.perf_counter()
             try:
                 connection = connection or http.client.HTTPConnection(self.target.host, self.target.port, timeout=10)
-                connection.request("POST", self.target.path, self.target.body,
-                                   {"content-type": "application/json"})
+                if self.target.method == "GET":
+                    connection.request("GET", self.target.path)
+                else:
+                    connection.request("POST", self.target.path, self.target.body,
+                                       {"content-type": "application/json"})
                 response = connection.getresponse()
                 response.read()
                 status = response.status
@@ -324,9 +323,10 @@ class Probe:
 
 
 def measure(target: Target, attack: str, seconds: float = 3.0, recovery_s: float = 1.0,
-            **options: Any) -> dict[str, Any]:
-    """Run ``attack`` for ``seconds`` with the normal client on: its latency and errors during the
-    attack, the server's memory, and how long after the attack the normal client's next 200 came."""
+            runner: Callable[..., Awaitable[dict[str, Any]]] | None = None, **options: Any) -> dict[str, Any]:
+    """Run ``attack`` (``runner``, else the attack of that name) for ``seconds`` with the normal client on:
+    its latency and errors during the attack, the server's memory, and how long after the attack the
+    normal client's next 200 came."""
     probe = Probe(target)
     idle_rss = rss_mb(target.pid) if target.pid else None
     peak = [idle_rss or 0.0]
@@ -343,7 +343,7 @@ def measure(target: Target, attack: str, seconds: float = 3.0, recovery_s: float
     for thread in threads:
         thread.start()
     began = time.perf_counter()
-    details = asyncio.run(asyncio.wait_for(ATTACKS[attack](target, seconds, **options), seconds + 30))
+    details = asyncio.run(asyncio.wait_for((runner or ATTACKS[attack])(target, seconds, **options), seconds + 30))
     ended = time.perf_counter()
     time.sleep(recovery_s)
     probe.stop()
@@ -368,203 +368,3 @@ def measure(target: Target, attack: str, seconds: float = 3.0, recovery_s: float
 
 def _ms(seconds: float) -> float:
     return round(float(seconds) * 1e3, 1)
-
-
-# -- `mlscale bench hostile` ---------------------------------------------------------------------------
-
-# the server flags of each attack's trial (slow bodies: with an SLO, as the finding had it)
-TRIAL_FLAGS = {"slow_bodies": ["--slo-ms", "50"]}
-STORE_ATTACKS = ("locked_feature_log", "silent_redis")  # served beside a model trained from features
-STORE_REPOSITORY = """\"\"\"The feature repository of `mlscale bench hostile`: users' activity.\"\"\"
-from datetime import timedelta
-
-from mlscale.features import Entity, FeatureRepository, FeatureService, FeatureView, Field, FileSource
-from mlscale.features import declare_repository
-
-user = Entity("user", join_keys=["user_id"])
-activity = FeatureView("activity", [user], [Field("spend"), Field("visits")], FileSource({source!r}),
-                       ttl=timedelta(days=2))
-model = FeatureService("model", [activity])
-declare_repository(FeatureRepository([user], [activity], [model]))
-"""
-
-
-@dataclass
-class Scratch:
-    """What the trials share: the registry (digits, and churn trained from features), the online store."""
-
-    root: Path
-    registry: str
-    online_store: str = ""
-
-    def flags(self, attack: str, silent_port: int | None) -> list[str]:
-        flags = list(TRIAL_FLAGS.get(attack, []))
-        if attack == "locked_feature_log":
-            flags += ["models:/churn/1", "--online-store", self.online_store, "--feature-log",
-                      str(self.root / f"served-{time.monotonic_ns()}.db"), "--runtime", "torch", "--cache-mb", "0"]
-        elif attack == "silent_redis":
-            flags += ["models:/churn/1", "--online-store", f"redis://127.0.0.1:{silent_port}/0", "--runtime", "torch",
-                      "--cache-mb", "0"]
-        return flags
-
-
-def _store_model(scratch: Scratch) -> None:
-    """churn: an MLP trained on a feature service's point-in-time training set, its online store
-    materialized (the module declaring the service is written into the scratch folder)."""
-    from datetime import datetime, timedelta, timezone
-
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from mlscale import TrainConfig, fit
-    from mlscale.features import load_service
-    from mlscale.features.online import SQLiteStore, materialize
-    from mlscale.registry import Registry, register_run
-
-    now = datetime.now(timezone.utc).replace(tzinfo=None)
-    rng = np.random.default_rng(0)
-    source = scratch.root / "activity.parquet"
-    pq.write_table(pa.Table.from_pylist([
-        {"user_id": u, "event_timestamp": now - timedelta(minutes=int(m)), "spend": float(s), "visits": float(v)}
-        for u in range(50) for m, s, v in zip(rng.integers(10, 1400, 2), rng.gamma(2, 10, 2), rng.integers(0, 5, 2))]),
-        source)
-    pq.write_table(pa.Table.from_pylist([{"user_id": int(u), "event_timestamp": now - timedelta(minutes=int(m)),
-                                          "label": int(u % 2)}
-                                         for u, m in zip(rng.integers(0, 50, 200), rng.integers(0, 600, 200))]),
-                   scratch.root / "entities.parquet")
-    (scratch.root / "mlscale_bench_store.py").write_text(STORE_REPOSITORY.format(source=str(source)))
-    sys.path.insert(0, str(scratch.root))
-    options = {"service": "mlscale_bench_store:model", "entities": str(scratch.root / "entities.parquet")}
-    fit(TrainConfig(task="features", task_options=options, steps=5, run_dir=str(scratch.root / "churn")))
-    register_run(Registry(scratch.registry), scratch.root / "churn", "churn")
-    repository, _ = load_service("mlscale_bench_store:model")
-    scratch.online_store = str(scratch.root / "online.db")
-    materialize(repository, SQLiteStore(scratch.online_store), end_date=now)
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    from mlscale.cli_parsers import add_out_option
-
-    add_out_option(p, "hostile")
-    p.add_argument("--seconds", type=float, default=12.0, help="how long each attack runs (default 12: past the "
-                   "server's default header and body deadlines, 5 and 10 s)")
-    p.add_argument("--attacks", default=",".join(ATTACKS), help=f"comma-separated (default {','.join(ATTACKS)})")
-    p.add_argument("--baseline-src", metavar="DIR", help="another checkout of mlscale (e.g. a git worktree of an "
-                   "older commit) whose server is attacked the same way, side by side")
-
-
-def _server(src: Path, registry: str, flags: list[str], path: str = "") -> tuple[subprocess.Popen[str], Target]:
-    ports = []
-    for _ in range(2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            ports.append(s.getsockname()[1])
-    uris = ["models:/digits/1", *(flag for flag in flags if flag.startswith("models:/"))]
-    flags = [flag for flag in flags if not flag.startswith("models:/")]
-    process = subprocess.Popen([sys.executable, "-m", "mlscale", "serve", *uris, "--port", str(ports[0]),
-                                "--grpc-port", str(ports[1]), "--registry", registry, *flags], cwd=src,
-                               env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(src), path)))},
-                               stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, text=True)
-    body = json.dumps({"inputs": [{"name": "input", "shape": [1, 64], "datatype": "FP32",
-                                   "data": [0.25] * 64}]}).encode()
-    target = Target(ports[0], body, grpc_address=f"127.0.0.1:{ports[1]}", pid=process.pid)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            connection = http.client.HTTPConnection("127.0.0.1", ports[0], timeout=1)
-            connection.request("GET", "/v2/health/ready")
-            if connection.getresponse().status == 200:
-                return process, target
-        except OSError:
-            pass
-        if process.poll() is not None:
-            break
-        time.sleep(0.2)
-    process.kill()
-    raise RuntimeError(f"the server from {src} did not become ready")
-
-
-def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
-    import tempfile
-
-    from mlscale import TrainConfig, fit
-    from mlscale.bench.machine import machine_info
-    from mlscale.export import export_version
-    from mlscale.registry import Registry, register_run
-
-    sources = {"mlscale": Path(__file__).resolve().parents[2]}
-    if args.baseline_src:
-        sources = {"baseline": Path(args.baseline_src).resolve(), **sources}
-    attacks = [name.strip() for name in args.attacks.split(",") if name.strip()]
-    results: dict[str, Any] = {"what": "a normal client's latency and the server's memory under each attack",
-                               "how": __doc__, "machine": machine_info(), "seconds": args.seconds,
-                               "servers": {label: str(src) for label, src in sources.items()}, "trials": {}}
-    with tempfile.TemporaryDirectory(prefix="mlscale-bench-hostile-") as folder:
-        scratch = Scratch(Path(folder), str(Path(folder) / "registry"))
-        registry = Registry(scratch.registry)
-        fit(TrainConfig(task="digits", steps=40, run_dir=str(Path(folder) / "run")))
-        export_version(registry, register_run(registry, Path(folder) / "run", "digits").uri)
-        if set(attacks) & set(STORE_ATTACKS):
-            _store_model(scratch)
-        silent = socket.socket()  # a Redis that accepts and never answers
-        silent.bind(("127.0.0.1", 0))
-        silent.listen(128)
-        for attack in attacks:
-            for label, src in sources.items():  # each trial on a fresh server: no memory carried over
-                flags = scratch.flags(attack, silent.getsockname()[1])
-                process, target = _server(src, scratch.registry, flags, path=folder)
-                options = {"log_path": flags[flags.index("--feature-log") + 1]} if "--feature-log" in flags else {}
-                try:
-                    trial = measure(target, attack, args.seconds, **options)
-                finally:
-                    process.kill()
-                    process.wait(10)
-                results["trials"].setdefault(attack, {})[label] = trial
-                print(f"{attack:<17} {label:<9} p99 {trial['client_p99_ms']} ms, errors {trial['client_errors']}"
-                      f"/{trial['client_requests']}, RSS {trial['rss_idle_mb']} -> {trial['rss_peak_mb']} MB, "
-                      f"connections held at the end {trial['held_at_end']}"
-                      + (f", churn {trial['details']['feature_requests']} p99 {trial['details']['feature_p99_ms']} ms"
-                         if "feature_requests" in trial["details"] else ""), flush=True)
-        silent.close()
-    return results
-
-
-def plot(results: dict[str, Any], path: Path) -> None:
-    from mlscale.bench.report import pyplot, save_figure
-
-    plt = pyplot()
-    trials = results["trials"]
-    attacks = list(trials)
-    labels = list(results["servers"])
-    fig, axes = plt.subplots(1, 3, figsize=(18, 4.8))
-    width = 0.8 / len(labels)
-    for ax, key, title in ((axes[0], "client_p99_ms", "normal client's p99 during the attack (ms, log)"),
-                           (axes[1], "rss_peak_mb", "server's peak memory (MB)"),
-                           (axes[2], "held_at_end", "attack's connections the server still held at its end")):
-        for i, label in enumerate(labels):
-            values = [trials[a][label].get(key) or 0 for a in attacks]
-            places = [x + i * width for x in range(len(attacks))]
-            ax.bar(places, values, width, label=label)
-            if key == "client_p99_ms":  # requests the normal client had refused or failed: not in a p99
-                for place, value, attack in zip(places, values, attacks):
-                    failed = trials[attack][label]["client_errors"]
-                    if failed:
-                        ax.text(place, value, f"{failed} failed", ha="center", va="bottom", fontsize=8,
-                                rotation=90)
-        ax.set_xticks([x + width * (len(labels) - 1) / 2 for x in range(len(attacks))], attacks, rotation=20)
-        ax.set_title(title)
-        ax.legend()
-    axes[0].set_yscale("log")
-    cores = results["machine"].get("cpu_cores", "?")
-    fig.suptitle(f"Hostile clients, {results['seconds']:g} s each, on 127.0.0.1, {cores} cores")
-    save_figure(fig, path)
-
-
-def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    from mlscale.bench.report import write_results
-
-    results = run_benchmark(args)
-    json_path, png_path = write_results(args.out, "hostile", results, plot)
-    print(f"wrote {json_path} and {png_path}")
-    return results
