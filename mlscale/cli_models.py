@@ -231,7 +231,15 @@ def _unalias(args: argparse.Namespace) -> int:
 
 
 def _tag(args: argparse.Namespace) -> int:
+    from mlscale.errors import UsageError
+    from mlscale.serve.share import SHARE_TAG, canary_share
+
     key, value = args.tag
+    if key == SHARE_TAG:  # refused here, where it is written, as every server following it would refuse it
+        try:
+            canary_share(value)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
     _registry(args).set_tag(args.name, args.version or None, key, value)
     print(as_json({key: value}) if args.json else f"{args.name} v{args.version}: {key}={value}")
     return 0

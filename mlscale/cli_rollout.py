@@ -4,6 +4,7 @@ from a running server's figures; exit 1 past a threshold, so a CI step can gate 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 from typing import Any
@@ -13,11 +14,13 @@ from mlscale.errors import MlscaleError, UsageError
 
 COMPARE_DESCRIPTION = """Compares a challenger version with the version a running `mlscale serve` serves
 (the champion), from the server's own figures for the whole server (GET /v2/models/NAME/compare): a
-canary (--canary) by its answered requests, error rate and latency beside the champion's; a shadow
-(--shadow) by how often its answers agree with the served ones, their mean absolute difference and its
-latency. Prints both side by side, then each check; exits 1 when one fails (or there are too few
-requests to judge), 0 when all pass: a step a pipeline can gate a promotion on. Latencies are
-histogram bucket bounds (the p99 is "at most" that), as Prometheus would estimate them."""
+canary (--canary) by its answered requests, error rate and latency beside the champion's, both of the
+requests the traffic split routed (requests naming a version are not judged, nor are client errors,
+4xx, which are counted apart); a shadow (--shadow) by how often its answers agree with the served ones,
+their mean absolute difference and its latency. Prints both side by side, then each check; exits 1
+when one fails (or there are too few requests to judge), 0 when all pass: a step a pipeline can gate a
+promotion on. Latencies are histogram bucket bounds (the p99 is "at most" that), as Prometheus would
+estimate them."""
 
 COMPARE_EXAMPLES = """examples:
   mlscale models compare digits challenger --server http://127.0.0.1:8000
@@ -26,13 +29,13 @@ COMPARE_EXAMPLES = """examples:
 
 
 def _percent(text: str) -> float:
+    """The share, by the rule every server reads the tag with (a finite number in [0, 100])."""
+    from mlscale.serve.share import canary_share
+
     try:
-        value = float(text)
+        return canary_share(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a percentage") from None
-    if not 0 <= value <= 100:
-        raise argparse.ArgumentTypeError(f"{text!r}: a percentage is between 0 and 100")
-    return value
+        raise argparse.ArgumentTypeError(f"{text!r}: a percentage is a number between 0 and 100") from None
 
 
 def add_rollout_commands(msub: argparse._SubParsersAction, common: Any) -> None:
@@ -73,7 +76,7 @@ def add_rollout_commands(msub: argparse._SubParsersAction, common: Any) -> None:
 
 def _canary(args: argparse.Namespace) -> int:
     from mlscale.registry import Registry
-    from mlscale.serve.rollout import SHARE_TAG
+    from mlscale.serve.share import SHARE_TAG
 
     Registry(args.registry, create=False).set_tag(args.name, None, SHARE_TAG, f"{args.percent:g}")
     print(as_json({SHARE_TAG: args.percent}) if args.json else
@@ -82,19 +85,46 @@ def _canary(args: argparse.Namespace) -> int:
 
 
 def fetch_comparison(server: str, name: str) -> dict[str, Any]:
+    """The server's comparison report; one line (never a traceback) when the server cannot be reached or
+    fails (exit 1), refuses (4xx, its error: exit 2) or answers something that is not a report (exit 2:
+    --server names something other than an `mlscale serve`)."""
     import urllib.error
     import urllib.request
 
     url = f"{server.rstrip('/')}/v2/models/{name}/compare"
     try:
         with urllib.request.urlopen(url, timeout=10) as response:
-            return json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        detail = exc.read().decode(errors="replace")
-        raise UsageError(f"{url}: {exc.code} {json.loads(detail).get('error', detail) if detail[:1] == '{' else detail}"
-                         ) from None
+            body = response.read()
+    except urllib.error.HTTPError as exc:  # 4xx: the name or the URL is wrong (2); 5xx: the server's (1)
+        error = UsageError if exc.code < 500 else MlscaleError
+        raise error(f"{url}: {exc.code} {_error_of(exc.read())}") from None
     except (urllib.error.URLError, OSError) as exc:
         raise MlscaleError(f"cannot reach the server at {server}: {getattr(exc, 'reason', exc)}") from None
+    try:
+        report = json.loads(body)
+    except ValueError:
+        report = None
+    if not _is_report(report):
+        raise UsageError(f"{url} did not answer a comparison report (it began {_error_of(body)!r}): is {server} an "
+                         "`mlscale serve`?")
+    return report
+
+
+def _error_of(body: bytes) -> str:
+    """An error answer's message, in one line of at most 200 characters: its JSON ``error``, or the text."""
+    text = body.decode(errors="replace")
+    with contextlib.suppress(ValueError, AttributeError):  # not JSON, or JSON but not an object
+        text = str(json.loads(text).get("error", text))
+    line = " ".join(text.split())
+    return line if len(line) <= 200 else line[:197] + "..."
+
+
+def _is_report(report: Any) -> bool:
+    """A comparison report: the fields ``checks`` and the side-by-side read, of the types they read."""
+    if not isinstance(report, dict) or not isinstance(report.get("versions"), list):
+        return False
+    fields = ("version", "uri", "role", "aliases", "success", "failed")
+    return all(isinstance(row, dict) and all(field in row for field in fields) for row in report["versions"])
 
 
 def _is(row: dict[str, Any], wanted: str) -> bool:
@@ -177,6 +207,7 @@ def _print_side_by_side(champion: dict[str, Any], challenger: dict[str, Any]) ->
              ("routed by name", champion["routed"], challenger["routed"]),
              ("answered", champion["success"], challenger["success"]),
              ("error rate", _share(champion["error_rate"]), _share(challenger["error_rate"])),
+             ("client errors (not judged)", champion.get("client_errors", 0), challenger.get("client_errors", 0)),
              ("p50", _ms(champion["p50_ms"]), _ms(challenger["p50_ms"])),
              ("p99", _ms(champion["p99_ms"]), _ms(challenger["p99_ms"]))]
     shadow = challenger.get("shadow")

@@ -13,19 +13,23 @@ from mlscale.cli_models import add_registry_option
 if TYPE_CHECKING:
     from mlscale.serve.options import ServeOptions
 
-# Every ServeOptions field is a flag of the same name (dashes for underscores), its type (int, float,
-# str) or choices (a Literal) read from the field's annotation, its help the field's description and
-# default; except where the help says more than that:
+# Every ServeOptions field but a secret (_NOT_FLAGS) is a flag of the same name (dashes for underscores),
+# its type (int, float, str; a bool is a switch) or choices (a Literal) read from the field's annotation,
+# its help the field's description and default; except where the help says more than that:
 _HELP = {"runtime": "auto (default): onnxruntime when the version has an ONNX export, else torch"}
 
 
 ONLINE_STORE_ENV = "MLSCALE_ONLINE_STORE"  # --online-store's value when the flag is not given
+ROUTE_SECRET_ENV = "MLSCALE_ROUTE_SECRET"  # the route-key hash's secret; never a flag (no secret on a command line)
+_NOT_FLAGS = {"route_secret"}
 
 
 def _field_help(name: str) -> str:
     from mlscale.serve.options import ServeOptions
 
     field = ServeOptions.model_fields[name]
+    if field.annotation is bool:  # a switch: off unless given
+        return field.description or name.replace("_", " ")
     default = "none" if field.default is None else f"{field.default:g}" if isinstance(field.default, float) \
         else field.default
     return f"{field.description or name.replace('_', ' ')} (default {default})"
@@ -45,6 +49,8 @@ def _argument(annotation: Any) -> dict[str, Any]:
     of them | None (None is the flag left out); a number or ``auto`` for ``--workers``."""
     if annotation == (int | typing.Literal["auto"]):
         return {"type": _workers, "metavar": "N|auto"}
+    if annotation is bool:
+        return {"action": "store_true"}
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
         (annotation,) = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
     if typing.get_origin(annotation) is typing.Literal:
@@ -78,9 +84,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("uris", nargs="+", metavar="MODEL_URI")
     for name, field in ServeOptions.model_fields.items():
+        if name in _NOT_FLAGS:
+            continue
         text = _HELP.get(name) or _field_help(name)
         if name == "online_store":
             text += f"; default ${ONLINE_STORE_ENV}, which keeps a password off the command line"
+        if name == "route_header":
+            text += (f"; keys are hashed with a secret, random per server (its workers share it), or "
+                     f"${ROUTE_SECRET_ENV} (16+ characters) to keep a key's version across restarts and replicas")
         p.add_argument("--" + name.replace("_", "-"), help=text, **_argument(field.annotation))
     p.add_argument("--no-grpc", action="store_true", help="serve HTTP only")
     add_registry_option(p)
@@ -92,14 +103,25 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
 
     from mlscale.serve.options import ServeOptions, serve_options
 
-    values = {name: getattr(args, name) for name in ServeOptions.model_fields}
+    values = {name: getattr(args, name, None) for name in ServeOptions.model_fields}
     # a store URL with a password comes from the environment (a Kubernetes Secret), never the command line
     values["online_store"] = values["online_store"] or os.environ.get(ONLINE_STORE_ENV) or None
     values["otlp_endpoint"] = values["otlp_endpoint"] or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or None
+    values["route_secret"] = _route_secret(os.environ.get(ROUTE_SECRET_ENV) or None)
     options = serve_options(**values)
     if args.no_grpc:
         options = options.model_copy(update={"grpc_port": None})
     return options
+
+
+def _route_secret(secret: str | None) -> str | None:
+    """The environment's route secret (None: a random one for this server), refused when short without
+    echoing it, as a validation error would."""
+    from mlscale.errors import UsageError
+
+    if secret is not None and len(secret) < 16:
+        raise UsageError(f"${ROUTE_SECRET_ENV} has {len(secret)} characters: give at least 16 (random ones)")
+    return secret
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, TypeVar
 
 import numpy as np
@@ -33,8 +34,12 @@ T = TypeVar("T")
 GRPC_GRACE_S = 30.0  # as uvicorn's timeout_graceful_shutdown: calls in flight at the end of the drain
 # The gRPC status code of each HTTP status a request can end in (by name: this module imports no
 # transport); any other status is INTERNAL.
-GRPC_CODES = {400: "INVALID_ARGUMENT", 404: "NOT_FOUND", 413: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE",
-              504: "DEADLINE_EXCEEDED"}
+GRPC_CODES = {400: "INVALID_ARGUMENT", 403: "PERMISSION_DENIED", 404: "NOT_FOUND", 413: "RESOURCE_EXHAUSTED",
+              503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
+# True while the request being handled was routed by a traffic split (set by ``ServerState.route``,
+# reset by ``ServerState.answering``): its outcome is also counted as the split's, which is all that
+# ``mlscale models compare`` judges. A context variable, as the trace is: each request is its own task.
+routed_by_split: ContextVar[bool] = ContextVar("mlscale_routed_by_split", default=False)
 
 
 class HTTPError(Exception):
@@ -80,6 +85,7 @@ class ServerState:
         self.splits: dict[str, TrafficSplit] = {}  # model name -> its traffic split with a canary
         self.shadow: Shadow | None = None  # copies of one model's requests, answered off the response path
         self.route_header = b"x-route-key"  # the header whose value keeps a caller on one version
+        self.expose_rollout_versions = False  # a request may name a canary's or a shadow's version
         self.reload_interval_s = 2.0
         self.tracer: tracing.Tracer | None = None  # exports request traces (--otlp-endpoint)
 
@@ -183,6 +189,7 @@ class ServerState:
         split = self.splits.get(served.name)
         if split is None or served is not split.primary.current:
             return served
+        routed_by_split.set(True)
         return split.pick(key) or served
 
     def successor_of(self, served: ServedModel) -> ServedModel:
@@ -191,6 +198,29 @@ class ServerState:
                     and slot.current is not served):
                 return slot.current
         raise HTTPError(404, f"model '{served.name}' version {served.number} was replaced")
+
+    def answering(self, name: str, version: str | None = None) -> ServedModel:
+        """The version an inference request names (its model's primary when it names none). A canary
+        answers only the share the split sends it and a shadow's answers are never returned: a request
+        naming either's version would get around both (and skew what ``models compare`` judges), so it
+        is refused (403) unless the operator allowed it (``--expose-rollout-versions``)."""
+        routed_by_split.set(False)
+        refused = None
+        for slot in self.slots:
+            served = slot.current
+            if served is None or served.name != name or (version is not None and str(served.number) != version):
+                continue
+            if slot.role == "primary" or (version is not None and self.expose_rollout_versions):
+                return served
+            refused = refused or slot
+        if refused is None:
+            return self.lookup(name, version)  # the 404
+        if version is None:  # only a canary or a shadow of it is loaded (its primary is not, yet)
+            raise HTTPError(503, f"model '{name}' is not loaded yet; retry later", {"Retry-After": "1"})
+        what = (f"answers only its share of the requests to /v2/models/{name}/infer" if refused.role == "canary"
+                else "answers copies of requests, never returned to a client")
+        raise HTTPError(403, f"model '{name}' version {version} is this server's {refused.role}: it {what}; "
+                        "start the server with --expose-rollout-versions to let a request name it")
 
     def lookup(self, name: str, version: str | None = None) -> ServedModel:
         for slot in self.slots:
@@ -239,17 +269,33 @@ async def _predict_once(state: ServerState, served: ServedModel, array: np.ndarr
     except Replaced:
         raise
     except Overloaded as exc:
-        stats.failure("overloaded")
+        failed(served, "overloaded")
         raise HTTPError(503, f"overloaded: {exc}; retry later", {"Retry-After": "1"}) from None
     except DeadlineExceeded as exc:
-        stats.failure("timeout")
+        failed(served, "timeout")
         raise HTTPError(504, f"request timed out: {exc}") from None
     except Exception as exc:
-        stats.failure("model")
+        failed(served, "model")
         raise internal_error(exc, "the model call failed") from None
-    stats.success.inc()
-    stats.duration.observe(time.perf_counter() - start)
+    answered(served, time.perf_counter() - start)
     return output
+
+
+def answered(served: ServedModel, seconds: float) -> None:
+    """A request answered in ``seconds``: counted, and as the split's too when it routed it."""
+    stats = served.stats
+    stats.success.inc()
+    stats.duration.observe(seconds)
+    if routed_by_split.get():
+        stats.routed_success.inc()
+        stats.routed_duration.observe(seconds)
+
+
+def failed(served: ServedModel, reason: str) -> None:
+    """A request the server failed (5xx): counted by ``reason``, and as the split's when it routed it."""
+    served.stats.failure(reason)
+    if routed_by_split.get():
+        served.stats.routed_failed.inc()
 
 
 @contextmanager
@@ -258,7 +304,9 @@ def bad_request_is_400(served: ServedModel) -> Iterator[None]:
     try:
         yield
     except BadRequest as exc:
-        served.stats.failure("bad_request")
+        served.stats.client_error("bad_request")  # the client's mistake: never a failure of the version
+        if routed_by_split.get():
+            served.stats.routed_client_errors.inc()
         raise HTTPError(400, str(exc)) from None
 
 
@@ -278,7 +326,7 @@ def refuse_if_overloaded(served: ServedModel) -> None:
     except Replaced:
         pass  # swapped out meanwhile: run_inference hands the request to the successor
     except Overloaded as exc:
-        served.stats.failure("overloaded")
+        failed(served, "overloaded")
         raise HTTPError(503, f"overloaded: {exc}; retry later", {"Retry-After": "1"}) from None
 
 
@@ -296,7 +344,7 @@ async def admitted(state: ServerState, served: ServedModel, answer: Callable[[fl
     if guard is None:
         return await answer(start)
     if not guard.enter():
-        served.stats.failure("overloaded")
+        failed(served, "overloaded")
         raise HTTPError(503, f"overloaded: {guard.limit} requests in flight, the most that keep p99 under "
                         f"the {guard.slo_s * 1e3:g} ms SLO; retry later", {"Retry-After": "1"})
     latency = None
@@ -318,7 +366,7 @@ async def entity_features(served: ServedModel, entities: Any) -> np.ndarray:
     try:
         return await served.feature_vectors(entities)
     except StoreUnavailable as exc:
-        served.stats.failure("store_unavailable")
+        failed(served, "store_unavailable")
         raise HTTPError(503, f"{exc}; retry later", {"Retry-After": "1"}) from None
     finally:
         trace = tracing.current.get()

@@ -5,7 +5,8 @@ letting calls in flight finish).
 
 Inference takes ``raw_input_contents`` (what tritonclient sends) or typed ``contents`` and answers
 with ``raw_output_contents``, as Triton does. HTTP errors map to status codes (``core.GRPC_CODES``):
-400 INVALID_ARGUMENT, 404 NOT_FOUND, 503 UNAVAILABLE (backpressure), 504 DEADLINE_EXCEEDED, 500 INTERNAL.
+400 INVALID_ARGUMENT, 403 PERMISSION_DENIED (a canary's or a shadow's version named), 404 NOT_FOUND,
+503 UNAVAILABLE (backpressure), 504 DEADLINE_EXCEEDED, 500 INTERNAL.
 
 What it shares with the HTTP app is in ``core.py``; the two transports never import each other. (This
 module is ``mlscale.serve.grpc``: ``import grpc`` below is absolute, so it is grpcio, not this file.)
@@ -138,7 +139,8 @@ class InferenceService:
                 await context.send_initial_metadata((("traceparent", tracer.traceparent(trace)),))
 
     async def _model_infer(self, request: pb.ModelInferRequest, context: Any) -> pb.ModelInferResponse:
-        served = self._served(request.model_name, request.model_version)
+        # a canary or a shadow named by model_version: PERMISSION_DENIED, unless --expose-rollout-versions
+        served = self.state.answering(request.model_name, request.model_version or None)
         if not request.model_version and self.state.splits:  # by name: the traffic split picks the version
             header = self.state.route_header.decode()
             key = next((value for name, value in context.invocation_metadata() or () if name == header), None)

@@ -27,6 +27,7 @@ from mlscale.serve.core import (
     HTTPError,
     ServerState,
     admitted,
+    answered,
     bad_request_is_400,
     body_budget_full,
     entity_features,
@@ -181,7 +182,7 @@ class InferenceFrontend:
 
     def _model(self, name: str, version: str | None) -> ServedModel:
         if (name, version) != _PREDICT:
-            return self.state.lookup(name, version)
+            return self.state.answering(name, version)  # a canary or a shadow named: 403, unless exposed
         slots = self.state.slots
         if not slots or slots[0].current is None:
             raise HTTPError(503, "no model loaded yet")
@@ -212,8 +213,7 @@ class InferenceFrontend:
         cached = state.cache.get(key) if key is not None else None
         if isinstance(cached, bytes):  # this exact body was answered before: no decoding, no encoding
             served.stats.cache["hit"].inc()
-            served.stats.success.inc()
-            served.stats.duration.observe(time.perf_counter() - start)
+            answered(served, time.perf_counter() - start)
             return Answer(cached)
         with bad_request_is_400(served):
             if len(body) > DECODE_INLINE_BYTES:  # decoding megabytes takes milliseconds: not on the loop

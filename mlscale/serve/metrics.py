@@ -96,9 +96,11 @@ GAUGES = [
 
 # A version's series by kind, by attribute name: what a worker's snapshot carries (``ModelStats.snapshot``)
 COUNTER_FIELDS = ("success", "inferences", "executions", "compute_requests", "compute_request_seconds",
-                  "feature_log_failures", "routed", "shadow_sent", "shadow_skipped", "shadow_compared",
-                  "shadow_agreed", "shadow_abs_diff", "shadow_failed")
-HISTOGRAM_FIELDS = ("duration", "queue", "compute", "batch_size", "shadow_latency", "shadow_primary_latency")
+                  "feature_log_failures", "routed", "routed_success", "routed_failed", "routed_client_errors",
+                  "shadow_sent", "shadow_skipped", "shadow_compared", "shadow_agreed", "shadow_abs_diff",
+                  "shadow_failed")
+HISTOGRAM_FIELDS = ("duration", "queue", "compute", "batch_size", "routed_duration", "shadow_latency",
+                    "shadow_primary_latency")
 GAUGE_FIELDS = ("queue_depth", "batch_target", "admission_limit", "loaded", "executing", "share")
 
 
@@ -115,7 +117,10 @@ class ModelStats:
         self.batch_size = Histogram(BATCH_BUCKETS)
         self.queue_depth, self.batch_target, self.admission_limit, self.loaded, self.executing = (
             Gauge() for _ in range(5))
-        self.failures: dict[str, Counter] = {}
+        self.failures: dict[str, Counter] = {}  # the server's failures by reason (5xx: overloaded, model, ...)
+        # the client's mistakes by reason (4xx: a body that does not parse): apart, so that a client's
+        # typos never count against a version (its error rate, a canary's promotion gate)
+        self.client_errors: dict[str, Counter] = {}
         self.last_inference_ms = 0  # wall clock of the last model execution (the statistics extension's)
         # per request, as Triton counts compute: each request of a batch, with its batch's duration
         self.compute_requests, self.compute_request_seconds = Counter(), Counter()
@@ -123,6 +128,9 @@ class ModelStats:
         self.skew_rows: list[dict[str, Any]] = []  # in a MetricsView: the skew report of a worker's snapshot
         self.feature_log_failures = Counter()
         self.routed = Counter()  # requests sent to this version by name, by the traffic split
+        # what became of those routed requests: what `models compare` judges a canary (and its champion) by
+        self.routed_success, self.routed_failed, self.routed_client_errors = Counter(), Counter(), Counter()
+        self.routed_duration = Histogram(LATENCY_BUCKETS)
         self.share = Gauge()  # the percentage of requests by name the split asks for (canary and primary)
         # a shadow version: copies sent, skipped (its queue full), compared with the served answer, agreed
         # (same class, or equal within tolerance), the sum of mean absolute differences, failed calls
@@ -150,6 +158,7 @@ class ModelStats:
                 "counters": {name: getattr(self, name).value for name in COUNTER_FIELDS},
                 "cache": {how: counter.value for how, counter in self.cache.items()},
                 "failures": {reason: counter.value for reason, counter in self.failures.items()},
+                "client_errors": {reason: counter.value for reason, counter in self.client_errors.items()},
                 "histograms": {name: [getattr(self, name).counts, getattr(self, name).sum]
                                for name in HISTOGRAM_FIELDS},
                 "gauges": {name: getattr(self, name).value for name in GAUGE_FIELDS},
@@ -165,6 +174,8 @@ class ModelStats:
             self.cache[how].inc(value)
         for reason, value in snapshot["failures"].items():
             self.failure(reason, value)
+        for reason, value in snapshot.get("client_errors", {}).items():
+            self.client_error(reason, value)
         for name, (counts, total) in snapshot["histograms"].items():
             histogram = getattr(self, name)
             histogram.counts = [a + b for a, b in zip(histogram.counts, counts)]
@@ -180,6 +191,12 @@ class ModelStats:
         counter = self.failures.get(reason)
         if counter is None:
             counter = self.failures[reason] = Counter()
+        counter.inc(count)
+
+    def client_error(self, reason: str, count: float = 1.0) -> None:
+        counter = self.client_errors.get(reason)
+        if counter is None:
+            counter = self.client_errors[reason] = Counter()
         counter.inc(count)
 
 
@@ -284,6 +301,13 @@ class MetricsView:
             for reason, counter in stats.failures.items():
                 failures.add_metric([*stats.labels, reason], counter.value)
         yield failures
+        client_errors = CounterMetricFamily("mlscale_inference_request_client_error", "Inference requests "
+                                            "refused as the client's mistake (4xx: a body that does not parse, a "
+                                            "wrong shape or datatype); not failures", labels=[*LABELS, "reason"])
+        for stats in models:
+            for reason, counter in stats.client_errors.items():
+                client_errors.add_metric([*stats.labels, reason], counter.value)
+        yield client_errors
         for series, name, doc in HISTOGRAMS:
             family = HistogramMetricFamily(name, doc, labels=LABELS)
             for stats in models:
@@ -328,12 +352,19 @@ def _rollout_families(models: list[ModelStats]) -> Iterator[Metric]:
                                  "traffic split (--canary)", labels=labels)
     share = GaugeMetricFamily("mlscale_route_share_percent", "The share of requests by model name the split "
                               "asks for this version", labels=labels)
+    answers = CounterMetricFamily("mlscale_route_answer_count", "What became of the requests the traffic split "
+                                  "routed to this version: success, failure (the server's, 5xx) or client_error "
+                                  "(4xx); what `mlscale models compare` judges", labels=[*labels, "outcome"])
     for stats in models:
         if stats.role != "shadow":
             routed.add_metric([*stats.labels, stats.role], stats.routed.value)
             share.add_metric([*stats.labels, stats.role], stats.share.value)
+            for outcome, counter in (("success", stats.routed_success), ("failure", stats.routed_failed),
+                                     ("client_error", stats.routed_client_errors)):
+                answers.add_metric([*stats.labels, stats.role, outcome], counter.value)
     yield routed
     yield share
+    yield answers
     shadows = [stats for stats in models if stats.role == "shadow" or stats.shadow_sent.value]
     for field, name, doc in SHADOW_COUNTERS:
         family = CounterMetricFamily(name, doc, labels=LABELS)

@@ -6,6 +6,7 @@ the server cannot work with is refused before any model is loaded.
 
 from __future__ import annotations
 
+import secrets
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -50,11 +51,22 @@ class ServeOptions(BaseModel):
     shadow: str | None = Field(None, description="URI[=PERCENT]: a version that also answers a copy of every "
                                "request (or of this share) off the response path, compared with the served "
                                "answer, never returned")
+    expose_rollout_versions: bool = Field(False, description="let a request that names the version of the "
+                                          "--canary or the --shadow (/v2/models/NAME/versions/V/infer, gRPC "
+                                          "model_version) be answered by it; without this flag it gets 403, so "
+                                          "that a canary answers only its share of the requests by name and a "
+                                          "shadow's answers are never returned")
     shadow_queue: int = Field(16, ge=1, description="copies the shadow may hold queued; past it copies are "
                               "dropped (counted), so the served path never waits for the shadow")
     route_header: str = Field("x-route-key", description="request header whose value picks the version in a "
                               "traffic split (the same value, the same version); without it, entity keys, else "
                               "an even split")
+    # Not a flag (a secret stays off command lines): $MLSCALE_ROUTE_SECRET, else random. One value per
+    # server: the supervisor's options, handed whole to each worker, carry it, so a key is sticky across
+    # the workers; a restart draws another unless the environment gives it.
+    route_secret: str = Field(default_factory=lambda: secrets.token_hex(16), min_length=16, repr=False,
+                              description="the secret key of the route-key hash, so that no client can pick "
+                              "keys that land on the canary")
     otlp_endpoint: str | None = Field(None, description="OpenTelemetry collector (OTLP/HTTP, e.g. "
                                       "http://127.0.0.1:4318) to export request traces to; default "
                                       "$OTEL_EXPORTER_OTLP_ENDPOINT; needs mlscale[tracing]")

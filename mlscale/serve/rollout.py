@@ -4,14 +4,20 @@ answers copies of them off the response path, and a comparison of both with the 
 Traffic split (``--canary URI=PERCENT``): a request by model name (no version in its path) goes to the
 canary with the asked probability. Sticky: a request carrying a route key (the ``--route-header``, or
 the first entity key of a request that names entities) goes where every request with that key goes (a
-hash of the key against the share); a request without one is split evenly by a counter, so that the
-share is exact (to a request) rather than right on average. The share follows the registry: the model
-tag ``mlscale.canary_percent`` (``mlscale models canary NAME PERCENT``), read as aliases are.
+hash of the key, keyed with the server's secret, against the share: a client cannot pick keys that
+land on the canary); a request without one is split evenly by a counter, so that the share is exact
+(to a request) rather than right on average. The share follows the registry: the model tag
+``mlscale.canary_percent`` (``mlscale models canary NAME PERCENT``), read as aliases are; a tag that
+is not a finite number in [0, 100] is logged once and the last good share kept. The split is the only
+way to a canary: a request naming its version is refused (``ServerState.answering``) unless the server
+runs with ``--expose-rollout-versions``, and either way only the split's answers are judged
+(``compare``).
 
 Shadow (``--shadow URI[=PERCENT]``): after the served answer is computed, a copy of the request (or of
 that share of them) is queued on the shadow version, whose model calls never run on the event loop;
 at most ``--shadow-queue`` copies wait or run at once, past that copies are dropped and counted, so the
-served path never waits for the shadow. Each shadow answer is compared with the served one: agreement
+served path never waits for the shadow; no client gets the shadow's answer (a request naming its version
+is refused as a canary's is). Each shadow answer is compared with the served one: agreement
 (the same class for class scores, else equal within 1e-3 relative), mean absolute difference, latency.
 """
 
@@ -27,12 +33,13 @@ import numpy as np
 
 from mlscale.serve import tracing
 from mlscale.serve.metrics import ModelStats
+from mlscale.serve.share import SHARE_TAG, canary_share
 
 if TYPE_CHECKING:
     from mlscale.serve.models import ModelSlot, ServedModel
 
 log = logging.getLogger("mlscale.serve")
-SHARE_TAG = "mlscale.canary_percent"  # the model tag the canary's share follows
+__all__ = ["SHARE_TAG", "Shadow", "TrafficSplit", "compare", "key_bucket", "route_hash_key"]
 
 
 class EvenSplit:
@@ -50,17 +57,26 @@ class EvenSplit:
         return False
 
 
-def key_bucket(key: bytes) -> float:
-    """A route key's place in [0, 100): the same key, the same place, in every worker and every run."""
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") % 10_000 / 100
+def route_hash_key(secret: str) -> bytes:
+    """The key of the route-key hash, from the server's secret (``ServeOptions.route_secret``, of any
+    length: blake2b takes keys of at most 64 bytes)."""
+    return hashlib.blake2b(secret.encode(), digest_size=32, person=b"mlscale-route").digest()
+
+
+def key_bucket(key: bytes, hash_key: bytes) -> float:
+    """A route key's place in [0, 100): the same key, the same place, in every worker of a server (they
+    share its secret). Keyed: with a public hash a client could pick, offline, keys that all land
+    below the share and send every request it likes to the canary."""
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8, key=hash_key).digest(), "big") % 10_000 / 100
 
 
 class TrafficSplit:
     """The requests by name of one model, split between its primary slot and a canary slot."""
 
-    def __init__(self, primary: ModelSlot, canary: ModelSlot, share: float) -> None:
-        self.primary, self.canary = primary, canary
+    def __init__(self, primary: ModelSlot, canary: ModelSlot, share: float, hash_key: bytes) -> None:
+        self.primary, self.canary, self.hash_key = primary, canary, hash_key
         self.even = EvenSplit(share)
+        self.bad_tag: str | None = None  # the last bad tag text logged, so a bad tag is logged once
         self.set_share(share)
 
     @property
@@ -84,12 +100,25 @@ class TrafficSplit:
 
     def pick(self, key: bytes | None) -> ServedModel | None:
         """The version this request goes to (None: none is loaded yet)."""
-        to_canary = self.even.pick() if key is None else key_bucket(key) < self.share
+        to_canary = self.even.pick() if key is None else key_bucket(key, self.hash_key) < self.share
         slot = self.canary if to_canary and self.canary.current is not None else self.primary
         served = slot.current
         if served is not None:
             served.stats.routed.inc()
         return served
+
+    def follow_tag(self, text: str) -> None:
+        """The share a tag's text asks for, if it is a finite number in [0, 100]; else the share stays
+        and the bad text is logged, once (a poll every few seconds must not flood the log)."""
+        try:
+            share = canary_share(text)
+        except ValueError as exc:
+            if text != self.bad_tag:
+                self.bad_tag = text
+                log.warning("canary share of %s not changed, still %g%%: %s", self.name, self.share, exc)
+            return
+        self.bad_tag = None
+        self.set_share(share)
 
     async def follow(self, interval_s: float) -> None:
         """The share, from the model's tag in the registry, checked as often as aliases are."""
@@ -98,10 +127,11 @@ class TrafficSplit:
             self._show_shares()  # a version swapped in since shows its share too
             try:
                 tags = await asyncio.to_thread(registry.model_tags, self.name)
-                if SHARE_TAG in tags:
-                    self.set_share(min(100.0, max(0.0, float(tags[SHARE_TAG]))))
-            except Exception as exc:  # a registry hiccup or a bad tag: keep the split as it is
+            except Exception as exc:  # a registry hiccup: keep the split as it is
                 log.warning("canary share of %s not read, still %g%%: %s", self.name, self.share, exc)
+            else:
+                if SHARE_TAG in tags:
+                    self.follow_tag(tags[SHARE_TAG])
             await asyncio.sleep(interval_s)
 
 
@@ -187,33 +217,52 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1e3
 
 
+def outcome(stats: ModelStats, routed_only: bool) -> dict[str, Any]:
+    """A version's answers, failures (the server's: 5xx), client errors (4xx, never held against a
+    version) and latency: of the requests the traffic split routed to it when ``routed_only`` (requests
+    that name a version are not the split's sample, and a client's typos are not the version's fault),
+    else of every request."""
+    if routed_only:
+        answered, failed = stats.routed_success.value, stats.routed_failed.value
+        client, duration = stats.routed_client_errors.value, stats.routed_duration
+    else:
+        answered, failed = stats.success.value, sum(counter.value for counter in stats.failures.values())
+        client, duration = sum(c.value for c in stats.client_errors.values()), stats.duration
+    return {"success": int(answered), "failed": int(failed), "client_errors": int(client),
+            "error_rate": failed / (answered + failed) if answered + failed else None,
+            "p50_ms": _ms(quantile(duration, 0.5)), "p99_ms": _ms(quantile(duration, 0.99)),
+            "mean_ms": duration.sum / duration.count * 1e3 if duration.count else None}
+
+
+def _shadow_row(stats: ModelStats) -> dict[str, Any]:
+    compared = stats.shadow_compared.value
+    return {"sent": int(stats.shadow_sent.value), "skipped": int(stats.shadow_skipped.value),
+            "failed": int(stats.shadow_failed.value), "compared": int(compared),
+            "agreement": stats.shadow_agreed.value / compared if compared else None,
+            "mean_abs_diff": stats.shadow_abs_diff.value / compared if compared else None,
+            "p99_ms": _ms(quantile(stats.shadow_latency, 0.99)),
+            "served_p99_ms": _ms(quantile(stats.shadow_primary_latency, 0.99))}
+
+
 def compare(state: Any, name: str) -> dict[str, Any]:
     """What ``GET /v2/models/NAME/compare`` answers: every version of NAME the server holds, its role,
-    traffic and outcome, and the shadow's comparison, for the whole server."""
+    traffic and outcome, and the shadow's comparison, for the whole server. With a canary, outcomes
+    are those of the requests the split routed (``judged``: routed), so that champion and challenger
+    are judged on one sample."""
     view = state.metrics.view().models
+    routed_only = name in state.splits
     rows = []
     for slot in state.slots:
         served = slot.current
         if served is None or served.name != name:
             continue
         stats = view.get((served.name, str(served.number)), served.stats)
-        failed = sum(counter.value for counter in stats.failures.values())
-        answered = stats.success.value
         row = {"version": str(served.number), "uri": slot.uri, "role": slot.role,
                "aliases": list(served.version.aliases), "share_percent": stats.share.value,
-               "routed": int(stats.routed.value), "success": int(answered), "failed": int(failed),
-               "error_rate": failed / (answered + failed) if answered + failed else None,
-               "p50_ms": _ms(quantile(stats.duration, 0.5)), "p99_ms": _ms(quantile(stats.duration, 0.99)),
-               "mean_ms": stats.duration.sum / stats.duration.count * 1e3 if stats.duration.count else None}
+               "routed": int(stats.routed.value), "judged": "routed" if routed_only else "all",
+               **outcome(stats, routed_only)}
         if slot.role == "shadow":
-            compared = stats.shadow_compared.value
-            row["shadow"] = {
-                "sent": int(stats.shadow_sent.value), "skipped": int(stats.shadow_skipped.value),
-                "failed": int(stats.shadow_failed.value), "compared": int(compared),
-                "agreement": stats.shadow_agreed.value / compared if compared else None,
-                "mean_abs_diff": stats.shadow_abs_diff.value / compared if compared else None,
-                "p99_ms": _ms(quantile(stats.shadow_latency, 0.99)),
-                "served_p99_ms": _ms(quantile(stats.shadow_primary_latency, 0.99))}
+            row["shadow"] = _shadow_row(stats)
         rows.append(row)
     if not rows:
         state.lookup(name)  # the 404

@@ -84,7 +84,7 @@ def build_state(uris: list[str], options: ServeOptions, registry: Registry) -> S
     """Every URI resolved and its runtime loaded (artifacts read and hashed) once, before listening.
     The response cache's bound is the whole server's: each of several workers has its share."""
     from mlscale.serve.options import split_share
-    from mlscale.serve.rollout import Shadow, TrafficSplit
+    from mlscale.serve.rollout import Shadow, TrafficSplit, route_hash_key
 
     cache = ResponseCache(int(options.cache_mb * 1024 * 1024 / options.worker_count))
     metrics = ServerMetrics(cache)
@@ -98,6 +98,7 @@ def build_state(uris: list[str], options: ServeOptions, registry: Registry) -> S
     state = ServerState(slots, metrics, cache, options.max_body_bytes, exec_timeout_s=options.exec_timeout_s,
                         read_timeout_s=options.read_timeout_s, max_inflight_bytes=options.max_inflight_bytes)
     state.route_header = options.route_header.lower().encode()
+    state.expose_rollout_versions = options.expose_rollout_versions
     for flag in ("canary", "shadow"):
         value = getattr(options, flag)
         if value is None:
@@ -115,7 +116,7 @@ def build_state(uris: list[str], options: ServeOptions, registry: Registry) -> S
                              f"{flag} is another version, to compare with the one served")
         state.slots.append(extra)
         if flag == "canary":
-            state.splits[name] = TrafficSplit(primary, extra, share)
+            state.splits[name] = TrafficSplit(primary, extra, share, route_hash_key(options.route_secret))
         else:
             state.shadow = Shadow(extra, share, options.shadow_queue)
     state.reload_interval_s = options.reload_interval_s

@@ -104,11 +104,14 @@ def test_auto_picks_onnx_when_exported_else_torch_and_reduced_precision_only_run
 
 
 def test_every_serve_option_is_a_flag_typed_from_its_annotation():
+    from mlscale.cli_serve import _NOT_FLAGS
     from mlscale.serve.options import ServeOptions
 
     actions = _serve_parser()
-    for name in ServeOptions.model_fields:
+    for name in ServeOptions.model_fields.keys() - _NOT_FLAGS:
         assert name in actions, name
+    assert {"route_secret"} == _NOT_FLAGS and "route_secret" not in actions  # a secret is never a flag
+    assert actions["expose_rollout_versions"].const is True  # a bool: a switch, off unless given
     assert actions["port"].type is int and actions["grpc_port"].type is int  # int | None: int
     assert actions["slo_ms"].type is float and actions["host"].type is str and actions["online_store"].type is str
     assert actions["precision"].choices == ["as-trained", "fp16", "bf16"] and actions["precision"].type is None

@@ -48,3 +48,22 @@ def test_the_online_store_comes_from_the_environment_when_no_flag_gives_it(monke
     assert options_from_args(args).online_store == "redis://:hunter2@store.example:6379/0"
     args = build_parser().parse_args(["serve", "models:/m/1", "--online-store", "/data/online.db"])
     assert options_from_args(args).online_store == "/data/online.db"  # the flag wins
+
+
+def test_the_route_secret_is_random_per_server_unless_the_environment_gives_it(monkeypatch):
+    """Never a flag (a secret on a command line is in every process listing): the environment, else drawn."""
+    from mlscale.cli import build_parser
+    from mlscale.cli_serve import options_from_args
+    from mlscale.errors import UsageError
+
+    monkeypatch.delenv("MLSCALE_ROUTE_SECRET", raising=False)
+    args = build_parser().parse_args(["serve", "models:/m/1"])
+    assert options_from_args(args).route_secret != options_from_args(args).route_secret
+    monkeypatch.setenv("MLSCALE_ROUTE_SECRET", "s3cret-of-the-fleet-2024")
+    assert options_from_args(args).route_secret == "s3cret-of-the-fleet-2024"
+    with pytest.raises(ValidationError):
+        ServeOptions(route_secret="short")
+    monkeypatch.setenv("MLSCALE_ROUTE_SECRET", "hunter2")
+    with pytest.raises(UsageError, match="has 7 characters") as refused:
+        options_from_args(args)
+    assert "hunter2" not in str(refused.value)

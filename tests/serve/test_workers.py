@@ -103,19 +103,33 @@ def test_a_worker_killed_under_load_is_restarted_and_only_its_own_requests_fail(
         assert not any(Path(f"/proc/{pid}").exists() for pid in new_workers)
 
 
-def test_grpc_is_served_by_every_worker_on_one_port(serve_registry):
+def test_grpc_is_served_by_every_worker_on_one_port_and_a_route_key_sticks_across_them(serve_registry):
     import tritonclient.grpc as grpcclient
 
-    with running_server(serve_registry, "models:/digits/1", "--workers", "2") as (_, server):
-        rows = np.random.default_rng(1).random((3, 64)).astype(np.float32)
-        for _ in range(6):  # a new channel each time: the kernel spreads them over the workers
-            client = grpcclient.InferenceServerClient(server.grpc_address)
-            tensor = grpcclient.InferInput("input", list(rows.shape), "FP32")
-            tensor.set_data_from_numpy(rows)
-            result = client.infer("digits", [tensor])
-            assert result.as_numpy("output").shape == (3, 10)
-            assert client.is_server_ready()
-            client.close()
+    from mlscale.serve.share import SHARE_TAG
+
+    registry = Registry(serve_registry)
+    registry.set_tag("digits", None, SHARE_TAG, "50")  # what the canary's flag says, whatever ran before
+    try:
+        with running_server(serve_registry, "models:/digits/1", "--workers", "2", "--canary",
+                            "models:/digits/2=50") as (base, server):
+            rows = np.random.default_rng(1).random((3, 64)).astype(np.float32)
+            for _ in range(6):  # a new channel each time: the kernel spreads them over the workers
+                client = grpcclient.InferenceServerClient(server.grpc_address)
+                tensor = grpcclient.InferInput("input", list(rows.shape), "FP32")
+                tensor.set_data_from_numpy(rows)
+                result = client.infer("digits", [tensor])
+                assert result.as_numpy("output").shape == (3, 10)
+                assert client.is_server_ready()
+                client.close()
+            # the route-key hash's secret is the server's, shared by its workers: a key meets one version
+            # whichever worker takes its connection (a new one per request)
+            for key in (f"key-{i}" for i in range(8)):
+                versions = {httpx.post(f"{base}/v2/models/digits/infer", headers={"x-route-key": key},
+                                       json=infer_body(rows[:1].tolist())).json()["model_version"] for _ in range(5)}
+                assert len(versions) == 1, (key, versions)
+    finally:
+        registry.set_tag("digits", None, SHARE_TAG, "10")  # as the rollout tests leave it
 
 
 def test_a_bad_worker_count_is_one_line(serve_registry):
