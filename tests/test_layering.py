@@ -90,7 +90,7 @@ def _under(name: str, modules: tuple[str, ...]) -> bool:
 PARTS = _parts()
 # the bottom layer: small modules every part may use; they import nothing of mlscale but each other
 BOTTOM = {"errors", "io", "rundir", "dtypes", "redact", "safe_path", "lazy", "declarations", "display",
-          "plotting", "faultspec", "weights"}
+          "plotting", "faultspec", "weights", "connections", "log_limits"}
 # the top: the command line, the demo and the benchmarks may use any part, and no part uses them
 TOP = {"bench", "demo"} | {p for p in PARTS if p == "cli" or p.startswith("cli_")}
 

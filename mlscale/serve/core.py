@@ -20,10 +20,10 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from mlscale.connections import BodyBudget
 from mlscale.serve import tracing
 from mlscale.serve.batcher import DeadlineExceeded, Overloaded, Replaced
 from mlscale.serve.cache import ResponseCache, cache_key
-from mlscale.serve.connections import BodyBudget
 from mlscale.serve.metrics import ServerMetrics
 from mlscale.serve.models import ModelSlot, ServedModel
 from mlscale.serve.protocol import BadRequest

@@ -19,10 +19,11 @@ from typing import Any
 
 import uvicorn
 
+from mlscale.connections import protocol_with
 from mlscale.errors import MlscaleError, UsageError
+from mlscale.log_limits import limit_client_fed_logs
 from mlscale.registry import Registry, parse_uri
 from mlscale.serve.cache import ResponseCache
-from mlscale.serve.connections import protocol_with
 from mlscale.serve.core import GRPC_GRACE_S, ServerState
 from mlscale.serve.http import build_app
 from mlscale.serve.metrics import ServerMetrics
@@ -178,6 +179,7 @@ def run_server(uris: list[str], options: ServeOptions, registry_location: str | 
         state.grpc_shared_port = peers is not None  # every worker binds it, SO_REUSEPORT
         state.start_grpc = _start_grpc  # with the models, in the server's event loop (ServerState.start)
     logging.basicConfig(level=logging.WARNING, format="mlscale serve: %(message)s")
+    limit_client_fed_logs()  # a warning a request can cause: once an interval, with a count
     # No proxy-header rewriting (nothing here reads the client address) and no Server/Date headers:
     # per-request work the hot path does not need. What a client may hold is bounded: connections
     # (past --max-connections, 503), the time to send headers or a body (HeaderDeadline) and an idle

@@ -10,10 +10,10 @@ import sys
 import threading
 from pathlib import Path
 
+from mlscale.connections import open_file_connection_limit, protocol_with
 from mlscale.errors import MlscaleError, UsageError
 from mlscale.log_limits import limit_client_fed_logs
 from mlscale.redact import redact_url
-from mlscale.serve.connections import open_file_connection_limit, protocol_with
 from mlscale.ui.app import TOKEN_ENV, UiSettings, build_app, is_loopback
 from mlscale.ui.runs import RunCatalog
 
