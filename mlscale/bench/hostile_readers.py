@@ -140,7 +140,12 @@ async def _ask(target: Target, paths: list[str], seconds: float, clients: int) -
                 connection = http.client.HTTPConnection(target.host, target.port, timeout=15)
                 connection.request("GET", paths[i % len(paths)])
                 response = connection.getresponse()
-                response.read(1 << 20)  # a live stream: its first megabyte
+                got = 0
+                while got < 1 << 20 and time.monotonic() < end + 1:  # a live stream: up to 1 MB, in time
+                    chunk = response.read1(65536)
+                    if not chunk:
+                        break
+                    got += len(chunk)
                 status = str(response.status)
                 connection.close()
             except (OSError, http.client.HTTPException):
