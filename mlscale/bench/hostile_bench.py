@@ -217,16 +217,17 @@ def plot(results: dict[str, Any], path: Path) -> None:
             ax.bar(places, values, width, label=label)
             if key == "client_p99_ms":  # requests the normal client had refused or failed: not in a p99
                 for place, value, attack in zip(places, values, attacks):
-                    failed = trials[attack][label]["client_errors"]
-                    if failed:
-                        ax.text(place, value, f"{failed} failed", ha="center", va="bottom", fontsize=8,
-                                rotation=90)
+                    trial = trials[attack][label]
+                    said = f"{trial['client_errors']} failed" if trial["client_errors"] else \
+                        "no answer" if not trial["client_requests"] else ""
+                    if said:
+                        ax.text(place, value or 1, said, ha="center", va="bottom", fontsize=8, rotation=90)
         ax.set_xticks([x + width * (len(labels) - 1) / 2 for x in range(len(attacks))], attacks, rotation=20)
         ax.set_title(title)
         ax.legend()
     axes[0].set_yscale("log")
     cores = results["machine"].get("cpu_cores", "?")
-    fig.suptitle(f"Hostile clients, {results['seconds']:g} s each, on 127.0.0.1, {cores} cores")
+    fig.suptitle(f"Hostile clients and readers, {results['seconds']:g} s each, on 127.0.0.1, {cores} cores")
     save_figure(fig, path)
 
 
