@@ -45,6 +45,10 @@ class ServeOptions(BaseModel):
     instances: int = Field(1, ge=1, description="model executions a worker runs in parallel on its one copy "
                            "of the weights (as Triton's instance groups); pays where a runtime releases the GIL "
                            "and cores or a GPU are left over")
+    worker_start_timeout_s: float = Field(300.0, gt=0, description="with --workers N: a worker not ready this "
+                                          "long after it was started is stopped (SIGTERM, then SIGKILL) and the "
+                                          "reason logged; at the server's start that stops the server, later "
+                                          "the worker is restarted")
     canary: str | None = Field(None, description="URI=PERCENT: a second version of the first model that takes "
                                "this share of its requests by name (sticky per --route-header or entity key); "
                                "the share follows the registry tag mlscale.canary_percent (mlscale models canary)")

@@ -9,17 +9,25 @@ connection stays with the worker that accepted it. The gRPC port is bound by eve
 models, batchers and response cache (the cache's bound divided among them), so batches form per
 worker from the requests its connections carry.
 
-What the workers share lives in a private folder the supervisor makes (``Peers``): a byte per worker,
-1 while it is ready (readiness is ready only when every byte is), and each worker's metrics,
-published every ``PUBLISH_S`` and merged by whichever worker is scraped (``/metrics`` and the
-statistics calls speak for the whole server; a dead worker's counters are kept, so no counter ever
-goes back).
+What the workers share lives in a private folder (``Peers``): a byte per worker, 1 while it is ready
+(readiness is ready only when every byte is), and each worker's metrics, published every ``PUBLISH_S``
+and merged by whichever worker is scraped (``/metrics`` and the statistics calls speak for the whole
+server; a dead worker's counters are kept, so no counter ever goes back, in one file per worker index
+however often it was restarted).
 
 A worker that dies is restarted (counted: ``mlscale_worker_restarts``); the requests it held are
 lost with it, the others never reached it (they wait in the shared socket's backlog or go to the
-other workers). SIGTERM to the supervisor is passed to every worker, each drains as one server does,
-and the supervisor exits 0 once all have. Workers run in a session of their own (a terminal's Ctrl-C
-reaches the supervisor only, which passes it on once) and die with the supervisor (``PR_SET_PDEATHSIG``).
+other workers). A worker not ready ``--worker-start-timeout-s`` after its start is stopped, saying so.
+SIGTERM to the supervisor is passed to every worker, each drains as one server does, and the
+supervisor exits 0 once all have; a second SIGTERM (or SIGINT) kills them at once. Workers run in a
+session of their own (a terminal's Ctrl-C reaches the supervisor only, which passes it on once).
+
+Nothing outlives the supervisor, however it goes (a SIGKILL, at any moment of the start included):
+its signal handlers are in place before the first worker or the folder exists; a worker's very first
+act, before any import of ours, is ``PR_SET_PDEATHSIG`` (and it exits at once if the supervisor is
+gone already, the race that setting alone loses); the folder is made by a janitor process that removes
+it once the supervisor and every worker have closed their end of its pipe, which the kernel does for
+a killed process too.
 """
 
 from __future__ import annotations
@@ -34,8 +42,8 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,13 +56,84 @@ log = logging.getLogger("mlscale.serve")
 PUBLISH_S = 0.5  # how often a worker publishes its metrics for the others
 BACKLOG = 2048
 GIVE_UP_AFTER = 5  # workers in a row that die before ever being ready: the supervisor stops
+STOP_GRACE_S = 2.0  # a worker stopped for not starting in time: SIGKILL this long after its SIGTERM
+REAP_S = 5.0  # on exit, the longest the supervisor waits for a killed worker (or the janitor) to be gone
+
+# A worker's interpreter runs this first: the death signal is set (Linux: PR_SET_PDEATHSIG = 1, SIGKILL
+# = 9) before anything is imported (mlscale.serve.workers alone takes ~0.2 s, torch seconds), then the
+# parent is checked: had the supervisor died before prctl, the worker was handed to another parent and
+# no death signal would ever come. ctypes, os and sys are the interpreter's own, imported in ms.
+_BOOTSTRAP = """\
+# mlscale serve: a worker (ps shows this line first)
+import ctypes, os, sys
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, 9)
+except (AttributeError, OSError):
+    pass
+if os.getppid() != int(sys.argv[1]):
+    os._exit(1)
+from mlscale.serve.workers import worker_main
+sys.exit(worker_main())
+"""
+
+# The janitor of the shared folder: makes it, says where, then waits for the end of its standard input.
+# The write end is held by the supervisor and passed to every worker, so the end comes when the last of
+# them is gone, however it went (the kernel closes a killed process's files); then the folder goes. A
+# supervisor killed before it read the folder's name (writing it fails) started no worker: it goes then.
+# Terminal and stop signals are ignored: only that end ends it. -I -S: no site, no user paths (~20 ms).
+_JANITOR = """\
+# mlscale serve: the janitor of the workers' shared folder
+import os, shutil, signal, tempfile
+for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    signal.signal(sig, signal.SIG_IGN)
+folder = tempfile.mkdtemp(prefix="mlscale-serve-")
+try:
+    os.write(1, folder.encode() + b"\\n")
+    while os.read(0, 65536):
+        pass
+except OSError:
+    pass
+shutil.rmtree(folder, ignore_errors=True)
+"""
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    with contextlib.suppress(FileNotFoundError, ValueError):
+        return json.loads(path.read_bytes())
+    return None
+
+
+def _write_json(path: Path, value: dict[str, Any]) -> None:
+    """Written whole, then renamed into place: a reader never sees half of it."""
+    partial = path.with_suffix(f".{os.getpid()}.partial")
+    partial.write_bytes(json.dumps(value).encode())
+    os.replace(partial, path)
+
+
+def _counters_of(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
+    """The counters and histograms of several snapshots summed into one (their gauges dropped): what
+    dead workers leave, as ``ServerMetrics.snapshot`` shapes it, so the merge is the one scrapes do."""
+    from mlscale.serve.metrics import MetricsView
+
+    view = MetricsView.merge([(None, snapshot, False) for snapshot in snapshots])
+    return {"models": [stats.snapshot() for stats in view.models.values()], "refused": view.refused,
+            "body_bytes": 0, "cache": None}
+
+
+def _how(code: int) -> str:
+    return f"signal {-code}" if code < 0 else f"exit {code}"
 
 
 class Peers:
-    """The folder the workers of one server share: ready bytes and published metrics."""
+    """The folder the workers of one server share: ready bytes and published metrics.
 
-    def __init__(self, directory: str | Path, count: int, index: int | None = None) -> None:
-        self.directory, self.count, self.index = Path(directory), count, index
+    Per worker index: ``metrics-I.json``, the live worker's last snapshot (tagged with its generation,
+    how many workers of that index died before it), and ``retired-I.json``, the counters of all the
+    dead ones, tagged ``through`` the last generation it took in. Never more: a server whose workers
+    were restarted a thousand times reads two files per worker a scrape."""
+
+    def __init__(self, directory: str | Path, count: int, index: int | None = None, generation: int = 0) -> None:
+        self.directory, self.count, self.index, self.generation = Path(directory), count, index, generation
         flags = self.directory / "flags.bin"  # a byte per worker: 1 while it is ready
         if not flags.exists():
             flags.write_bytes(bytes(count))
@@ -75,36 +154,39 @@ class Peers:
     def _published(self, index: int) -> Path:
         return self.directory / f"metrics-{index}.json"
 
+    def _retired(self, index: int) -> Path:
+        return self.directory / f"retired-{index}.json"
+
     def publish(self, snapshot: dict[str, Any]) -> None:
         """This worker's snapshot, replaced whole (a reader never sees half of one)."""
-        target = self._published(self.index or 0)
-        partial = target.with_suffix(f".{os.getpid()}.partial")
-        partial.write_bytes(json.dumps(snapshot).encode())
-        os.replace(partial, target)
+        _write_json(self._published(self.index or 0), {**snapshot, "generation": self.generation})
 
-    def retire(self, index: int, generation: int) -> None:
-        """A dead worker's last snapshot: its counters count for ever, its gauges no more."""
-        with contextlib.suppress(FileNotFoundError):
-            os.replace(self._published(index), self.directory / f"retired-{index}-{generation}.json")
+    def retire(self, index: int) -> None:
+        """A dead worker's last snapshot: its counters count for ever, its gauges no more. Added to the
+        index's retired file before its own goes, so a reader counts it once whichever it finds (see
+        ``snapshots``)."""
+        last = _read_json(self._published(index))
+        if last is not None:
+            earlier = _read_json(self._retired(index))
+            retired = _counters_of([each for each in (earlier, last) if each is not None])
+            _write_json(self._retired(index), {**retired, "through": last.get("generation", 0)})
+            self._published(index).unlink(missing_ok=True)
+        for partial in self.directory.glob(f"metrics-{index}.*.partial"):  # a publish cut short by its death
+            partial.unlink(missing_ok=True)
 
     def snapshots(self, own: dict[str, Any]) -> list[tuple[str | None, dict[str, Any], bool]]:
         """(worker label, snapshot, live) of every worker: this one's ``own``, the others' last published,
-        and those of dead workers (not live)."""
+        and the counters of dead workers (not live)."""
         found: list[tuple[str | None, dict[str, Any], bool]] = [(str(self.index), own, True)]
-        paths = sorted(self.directory.glob("*.json"))
-        seen = set(paths)
-        for path in paths:
-            live = path.name.startswith("metrics-")
-            if (live and path == self._published(self.index or 0)) or not (live or path.name.startswith("retired-")):
-                continue
-            worker = path.stem.split("-")[1]
-            try:
-                found.append((worker, json.loads(path.read_bytes()), live))
-            except (FileNotFoundError, ValueError):
-                if live:  # retired since the listing: read it under its new name, its counts must not drop
-                    for retired in sorted(set(self.directory.glob(f"retired-{worker}-*.json")) - seen):
-                        with contextlib.suppress(FileNotFoundError, ValueError):
-                            found.append((worker, json.loads(retired.read_bytes()), False))
+        for index in range(self.count):
+            live = None if index == self.index else _read_json(self._published(index))
+            retired = _read_json(self._retired(index))  # read after the live file: a retirement writes it first
+            if live is not None and retired is not None and live.get("generation", 0) <= retired["through"]:
+                live = None  # retired between the two reads: counted in the retired file
+            if live is not None:
+                found.append((str(index), live, True))
+            if retired is not None:
+                found.append((str(index), retired, False))
         return found
 
     def extra(self) -> list[Metric]:
@@ -126,38 +208,95 @@ class Peers:
 
 # -- the supervisor --------------------------------------------------------------------------------
 class Supervisor:
+    """Starts the workers, restarts those that die, stops them all on a signal; leaves nothing behind
+    (see the module's docstring)."""
+
     def __init__(self, uris: list[str], options: ServeOptions, registry_location: str | None,
                  sock: socket.socket) -> None:
         self.uris, self.options, self.registry_location, self.sock = uris, options, registry_location, sock
         self.count = options.worker_count
-        self.directory = Path(tempfile.mkdtemp(prefix="mlscale-serve-"))  # private: 0700
-        self.peers = Peers(self.directory, self.count)
+        self.janitor: subprocess.Popen[bytes] | None = None
+        self.directory: Path | None = None  # the shared folder, made in run() under the signal handlers
+        self.peers: Peers | None = None
         self.processes: list[subprocess.Popen[bytes] | None] = [None] * self.count
         self.generations = [0] * self.count
+        self.started_at = [0.0] * self.count  # time.monotonic() of each worker's start
+        self.kill_at: list[float | None] = [None] * self.count  # stopped for its start timeout: SIGKILL then
         self.restarts = 0
         self.failed_starts = 0  # workers in a row that died before they were ready
         self.was_ready = [False] * self.count
         self.stopping: int | None = None  # the signal being passed on
+        self.signals = 0  # signals received: a second one kills every worker
+
+    @contextlib.contextmanager
+    def signals_handled(self) -> Iterator[None]:
+        """SIGTERM and SIGINT handled from before the folder or any worker exists until after the last
+        is gone: else a signal during the start kills the supervisor with its default action, and the
+        workers it started live on (holding the port) with the folder."""
+        previous = {sig: signal.signal(sig, self.on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def on_signal(self, sig: int, _: Any) -> None:
+        """The first signal is passed on (each worker drains); a second kills them all: an operator's
+        second Ctrl-C, or an orchestrator's, must not wait for a stuck worker."""
+        self.signals += 1
+        if self.stopping is None:
+            self.stopping = sig
+        self.signal_all(sig if self.signals == 1 else signal.SIGKILL)
+
+    def run(self) -> int:
+        """Serve until stopped (under ``signals_handled``); the exit code. Whatever happens, every worker
+        is killed and the folder removed on the way out."""
+        try:
+            self.open_folder()
+            for index in range(self.count):
+                if self.stopping is None:  # a signal during the start: no more workers
+                    self.spawn(index)
+            return self.watch()
+        finally:
+            self.close()
+
+    def open_folder(self) -> None:
+        """The shared folder, made by the janitor (``_JANITOR``), which removes it once the supervisor and
+        all workers are gone: also after a SIGKILL of the supervisor, when no code of ours runs."""
+        self.janitor = subprocess.Popen([sys.executable, "-I", "-S", "-c", _JANITOR], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, start_new_session=True)
+        assert self.janitor.stdout is not None
+        with self.janitor.stdout:
+            folder = self.janitor.stdout.readline().decode().strip()
+        if not folder:
+            raise MlscaleError("cannot make the workers' shared folder in the temp directory (see $TMPDIR)")
+        self.directory = Path(folder)
+        self.peers = Peers(self.directory, self.count)
 
     def spec(self, index: int) -> dict[str, Any]:
         options = self.options.model_dump(mode="json")
         options["workers"] = self.count
         return {"uris": self.uris, "options": options, "registry": self.registry_location, "index": index,
-                "directory": str(self.directory), "fd": self.sock.fileno()}
+                "generation": self.generations[index], "directory": str(self.directory),
+                "fd": self.sock.fileno()}
 
     def spawn(self, index: int) -> None:
         threads = str(self.options.threads)
         env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads,
                "OPENBLAS_NUM_THREADS": threads}
-        process = subprocess.Popen([sys.executable, "-m", "mlscale.serve.workers"], stdin=subprocess.PIPE,
-                                   pass_fds=(self.sock.fileno(),), env=env, start_new_session=True)
-        assert process.stdin is not None
-        process.stdin.write(json.dumps(self.spec(index)).encode())  # no secret on a command line
-        process.stdin.close()
+        assert self.janitor is not None and self.janitor.stdin is not None
+        keep = self.janitor.stdin.fileno()  # held open by the worker: the janitor waits for it too
+        process = subprocess.Popen([sys.executable, "-c", _BOOTSTRAP, str(os.getpid())], stdin=subprocess.PIPE,
+                                   pass_fds=(self.sock.fileno(), keep), env=env, start_new_session=True)
         self.processes[index] = process
-        self.was_ready[index] = False
+        self.was_ready[index], self.started_at[index], self.kill_at[index] = False, time.monotonic(), None
+        assert process.stdin is not None
+        with contextlib.suppress(BrokenPipeError):  # it died at once: reaped as any dead worker
+            process.stdin.write(json.dumps(self.spec(index)).encode())  # no secret on a command line
+        with contextlib.suppress(BrokenPipeError):
+            process.stdin.close()
         if self.stopping is not None:  # a signal came while it was being started: it stops too
-            process.send_signal(self.stopping)
+            process.send_signal(self.stopping if self.signals < 2 else signal.SIGKILL)
 
     def signal_all(self, sig: int) -> None:
         for process in self.processes:
@@ -165,36 +304,46 @@ class Supervisor:
                 with contextlib.suppress(ProcessLookupError):
                     process.send_signal(sig)
 
-    def on_signal(self, sig: int, _: Any) -> None:
-        self.stopping = sig
-        self.signal_all(sig)  # a second signal passed on too: the workers exit at once
-
-    def run(self) -> int:
-        for index in range(self.count):
-            self.spawn(index)
-        previous = {sig: signal.signal(sig, self.on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    def watch(self) -> int:
+        """Every 50 ms until the server is done: readiness announced once, workers late to start stopped,
+        dead ones reaped and restarted; the exit code."""
+        assert self.peers is not None
         announced = False
-        try:
-            while True:
-                time.sleep(0.05)
-                if not announced and self.peers.all_ready():
-                    announced = True
-                    print(f"mlscale serve: {self.count} workers ready", file=sys.stderr, flush=True)
-                for index in range(self.count):
-                    self.was_ready[index] = self.was_ready[index] or bool(self.peers.flags[index])
-                code = self.reap(announced)
-                if code is not None:
-                    return code
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-            self.signal_all(signal.SIGKILL)
-            self.peers.close()
-            shutil.rmtree(self.directory, ignore_errors=True)
+        while True:
+            time.sleep(0.05)
+            if not announced and self.stopping is None and self.peers.all_ready():
+                announced = True
+                print(f"mlscale serve: {self.count} workers ready", file=sys.stderr, flush=True)
+            now = time.monotonic()
+            for index in range(self.count):
+                self.was_ready[index] = self.was_ready[index] or bool(self.peers.flags[index])
+                self.enforce_start_timeout(index, now)
+            code = self.reap(announced)
+            if code is not None:
+                if self.signals > 1:
+                    log.warning("a second signal: every worker killed")
+                return code
+
+    def enforce_start_timeout(self, index: int, now: float) -> None:
+        """A worker not ready ``worker_start_timeout_s`` after its start gets SIGTERM, and SIGKILL
+        ``STOP_GRACE_S`` later: a start hung for ever (a model load that never returns, a stopped process)
+        would otherwise keep readiness 503 for ever, with nothing said."""
+        process = self.processes[index]
+        if process is None or self.was_ready[index] or process.poll() is not None:
+            return
+        kill_at, limit = self.kill_at[index], self.options.worker_start_timeout_s
+        if kill_at is None and now - self.started_at[index] > limit:
+            log.error("worker %d (pid %d) not ready %g s after its start (--worker-start-timeout-s): stopping it",
+                      index, process.pid, limit)
+            self.kill_at[index] = now + STOP_GRACE_S
+            process.send_signal(signal.SIGTERM)
+        elif kill_at is not None and now >= kill_at:
+            process.kill()
 
     def reap(self, started: bool) -> int | None:
         """Restart workers that died; an exit code once the server is done (all exited after a signal,
         or a worker failed to start)."""
+        assert self.peers is not None
         if self.stopping is not None:
             codes = [process.poll() for process in self.processes if process is not None]
             if all(code is not None for code in codes):
@@ -202,12 +351,14 @@ class Supervisor:
             return None
         for index, process in enumerate(self.processes):
             code = process.poll() if process is not None else None
-            if code is None:
+            if process is None or code is None:
                 continue
             self.peers.flags[index] = 0
-            self.peers.retire(index, self.generations[index])
+            self.peers.retire(index)
             self.generations[index] += 1
-            if not started and not self.was_ready[index]:  # a bad model, a taken port: stop, say why (it did)
+            if not started and not self.was_ready[index]:  # a bad model, a taken port (it said why), a hang
+                log.error("worker %d (pid %d) died during the start (%s): stopping the server", index,
+                          process.pid, _how(code))
                 self.stopping = signal.SIGTERM
                 self.signal_all(signal.SIGKILL)
                 return code if code > 0 else 1
@@ -217,17 +368,33 @@ class Supervisor:
                 self.stopping = signal.SIGTERM
                 self.signal_all(signal.SIGTERM)
                 return 1
-            if self.stopping is not None:  # a signal came meanwhile: no restart
-                continue
-            self.restarts += 1
-            how = f"signal {-code}" if code < 0 else f"exit {code}"
-            log.warning("worker %d (pid %d) died (%s): restarted (%d restarts)", index, process.pid, how,
-                        self.restarts)
-            partial = self.directory / "supervisor.partial"
-            partial.write_text(json.dumps({"restarts": self.restarts}))
-            os.replace(partial, self.directory / "supervisor.json")  # never read half written
-            self.spawn(index)
+            self.restart(index, process.pid, code)
         return None
+
+    def restart(self, index: int, pid: int, code: int) -> None:
+        self.restarts += 1
+        log.warning("worker %d (pid %d) died (%s): restarted (%d restarts)", index, pid, _how(code), self.restarts)
+        assert self.directory is not None
+        _write_json(self.directory / "supervisor.json", {"restarts": self.restarts})
+        self.spawn(index)
+
+    def close(self) -> None:
+        """Every way out (done, an exception, a signal): workers killed and waited for, the folder
+        removed, then the janitor's pipe closed (it finds the folder gone and exits)."""
+        self.signal_all(signal.SIGKILL)
+        for process in self.processes:
+            if process is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(timeout=REAP_S)
+        if self.peers is not None:
+            self.peers.close()
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+        if self.janitor is not None:
+            assert self.janitor.stdin is not None
+            self.janitor.stdin.close()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.janitor.wait(timeout=REAP_S)
 
 
 def supervise(uris: list[str], options: ServeOptions, registry_location: str | None) -> int:
@@ -249,31 +416,20 @@ def supervise(uris: list[str], options: ServeOptions, registry_location: str | N
         for uri in model_uris(uris, options):  # an unknown model is one line before any worker starts
             registry.resolve(uri)
         sock.set_inheritable(True)  # listening once the first worker has loaded the models (uvicorn listens)
-    except BaseException:
-        sock.close()
-        raise
-    grpc_note = f", gRPC on port {options.grpc_port}" if options.grpc_port else ""
-    print(f"mlscale serve: {', '.join(uris)} on http://{options.host}:{options.port} with {count} workers "
-          f"(Open Inference Protocol v2, /predict, /metrics{grpc_note})", file=sys.stderr, flush=True)
-    try:
-        return Supervisor(uris, options, registry_location, sock).run()
+        supervisor = Supervisor(uris, options, registry_location, sock)
+        with supervisor.signals_handled():
+            grpc_note = f", gRPC on port {options.grpc_port}" if options.grpc_port else ""
+            print(f"mlscale serve: {', '.join(uris)} on http://{options.host}:{options.port} with {count} workers "
+                  f"(Open Inference Protocol v2, /predict, /metrics{grpc_note})", file=sys.stderr, flush=True)
+            return supervisor.run()
     finally:
         sock.close()
 
 
 # -- a worker --------------------------------------------------------------------------------------
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when the supervisor goes, however it goes."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 def worker_main() -> int:
-    """One worker: the spec from standard input, the listening socket inherited, then a server as
-    ``mlscale serve`` runs one."""
-    _die_with_parent()
+    """One worker (started by ``_BOOTSTRAP``, its death signal set already): the spec from standard
+    input, the listening socket inherited, then a server as ``mlscale serve`` runs one."""
     spec = json.loads(sys.stdin.buffer.read())
     options = ServeOptions(**spec["options"])
     from mlscale.errors import report_error
@@ -283,13 +439,9 @@ def worker_main() -> int:
     # each worker has about a core of its own: as on a one-core host, small batches run on the event loop
     batcher.ONE_CORE = batcher.ONE_CORE or options.worker_count >= usable_cores()
     sock = socket.socket(fileno=spec["fd"])
-    peers = Peers(spec["directory"], options.worker_count, spec["index"])
+    peers = Peers(spec["directory"], options.worker_count, spec["index"], spec["generation"])
     try:
         run_server(spec["uris"], options, spec["registry"], sock, peers=peers)
     except MlscaleError as exc:
         return report_error(exc)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(worker_main())

@@ -1,13 +1,21 @@
 """``mlscale serve --workers N``: processes sharing the ports, a whole-server readiness and /metrics,
 hot reload followed by every worker, a worker killed under load restarted with nothing lost but what
-it held, and a drain on SIGTERM."""
+it held, and a drain on SIGTERM. Nothing outlives the supervisor: a signal at any moment of the start,
+a SIGKILL included, leaves no worker, no bound port and no temp folder; a worker stuck in its start is
+stopped and named; a second signal kills."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -15,12 +23,21 @@ import numpy as np
 import pytest
 
 from mlscale.registry import Registry
+from tests.helpers import REPO, free_port
 from tests.serve.conftest import infer_body, metric, running_server
 
 
 def _workers_of(supervisor_pid: int) -> list[int]:
+    """The supervisor's worker processes (not its janitor): those running the worker bootstrap."""
     children = Path(f"/proc/{supervisor_pid}/task/{supervisor_pid}/children").read_text().split()
-    return [int(pid) for pid in children]
+    workers = []
+    for pid in children:
+        try:
+            if b"worker_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                workers.append(int(pid))
+        except OSError:  # gone since the listing
+            pass
+    return workers
 
 
 def _eventually(check, timeout: float = 15.0):
@@ -138,3 +155,200 @@ def test_a_bad_worker_count_is_one_line(serve_registry):
     for value, says in (("0", "workers 0 must be at least 1"), ("many", "not a number of workers")):
         result = refused("serve", "models:/digits/1", "--workers", value, "--registry", serve_registry)
         assert result.returncode == 2 and says in result.stderr, result.stderr
+
+
+# -- nothing outlives the supervisor ----------------------------------------------------------------
+class _Supervised:
+    """``mlscale serve models:/digits/1 --workers 2 --no-grpc ARGS`` started here, its stderr collected,
+    every process of it marked by an environment variable (workers and janitor inherit it), its temp
+    folder under ``tmp`` ($TMPDIR). On leaving, whatever of it is still there is killed, so a failing
+    test leaves no process behind either."""
+
+    def __init__(self, registry: str, tmp: Path, *args: str) -> None:
+        self.port, self.tmp, self.mark = free_port(), tmp, f"MLSCALE_SUPERVISOR_TEST={uuid.uuid4().hex}"
+        name, value = self.mark.split("=")
+        env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp), name: value}
+        self.process = subprocess.Popen([sys.executable, "-m", "mlscale", "serve", "models:/digits/1", "--workers",
+                                         "2", "--no-grpc", "--port", str(self.port), "--registry", registry, *args],
+                                        cwd=REPO, stderr=subprocess.PIPE, text=True, env=env)
+        self.lines: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            self.lines.append(line)
+
+    def __enter__(self) -> _Supervised:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        for pid in [self.process.pid, *_marked(self.mark)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.process.wait(timeout=10)
+
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, text: str, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.log():
+            assert self.process.poll() is None, f"exited {self.process.returncode} before {text!r}: {self.log()}"
+            assert time.monotonic() < deadline, f"no {text!r} after {timeout} s: {self.log()}"
+            time.sleep(0.005)
+
+    def workers(self, timeout: float = 30) -> list[int]:
+        """The two worker pids, as soon as both are started."""
+        deadline = time.monotonic() + timeout
+        while len(workers := _workers_of(self.process.pid)) < 2:
+            assert time.monotonic() < deadline and self.process.poll() is None, self.log()
+            time.sleep(0.005)
+        return workers
+
+    def assert_nothing_left(self, timeout: float = 10) -> None:
+        """No process of this server alive (zombies excepted: they hold nothing), its port free to bind
+        again, its temp folder gone; a leftover process is given ``timeout`` to go."""
+        deadline = time.monotonic() + timeout
+        while (left := _marked(self.mark)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not left, f"processes outlived the supervisor: {_describe(left)}\n{self.log()}"
+        with socket.socket() as probe:  # no SO_REUSEADDR: any socket still on the port refuses it
+            probe.bind(("127.0.0.1", self.port))
+        assert not list(self.tmp.glob("mlscale-serve-*")), "the workers' temp folder was left behind"
+
+
+def _marked(mark: str) -> list[int]:
+    """Live (not zombie) processes whose environment holds ``mark``."""
+    found, needle = [], mark.encode() + b"\0"
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes() and \
+                    (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                found.append(int(entry.name))
+        except OSError:  # gone, or not ours
+            pass
+    return found
+
+
+def _stop(pid: int) -> None:
+    """SIGSTOP, as a worker hung in its start or in a model call would be: returns once it is stopped (a
+    SIGTERM sent before the stop took hold would still kill it)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+        assert time.monotonic() < deadline, f"worker {pid} did not stop"
+        time.sleep(0.005)
+
+
+def _describe(pids: list[int]) -> str:
+    def cmdline(pid: int) -> str:
+        try:
+            return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")[:80].decode(errors="replace")
+        except OSError:
+            return "?"
+    return ", ".join(f"{pid} ({cmdline(pid)})" for pid in pids)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["SIGKILL", "SIGTERM"])
+@pytest.mark.parametrize("delay", [0, 0.05, 0.1, 0.3])
+def test_a_supervisor_signalled_during_the_start_leaves_no_worker_port_or_folder(serve_registry, tmp_path, sig,
+                                                                                 delay):
+    """The delay counts from the supervisor's line saying it starts the workers: the moments when they
+    are being spawned, importing, loading the model; a SIGKILL leaves no code of the supervisor to run."""
+    with _Supervised(serve_registry, tmp_path) as server:
+        server.wait_for("with 2 workers")
+        time.sleep(delay)
+        server.process.send_signal(sig)
+        code = server.process.wait(timeout=30)
+        server.assert_nothing_left()
+        assert code == (-signal.SIGKILL if sig == signal.SIGKILL else 0), server.log()
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_stuck_in_its_start_is_stopped_after_the_start_timeout_and_named(serve_registry, tmp_path):
+    """Both workers stopped (SIGSTOP) as a hung model load would hold them: each gets SIGTERM at the
+    timeout (it cannot act on it), SIGKILL after the grace; the server stops, exit 1, saying why."""
+    with _Supervised(serve_registry, tmp_path, "--worker-start-timeout-s", "2") as server:
+        workers = server.workers()
+        for pid in workers:
+            _stop(pid)
+        assert server.process.wait(timeout=30) == 1
+        server.assert_nothing_left()
+        log = server.log()
+    for index, pid in enumerate(workers):
+        assert f"worker {index} (pid {pid}) not ready 2 s after its start (--worker-start-timeout-s): stopping it" \
+            in log, log
+    assert re.search(r"worker [01] \(pid \d+\) died during the start \(signal 9\): stopping the server", log), log
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_killed_during_the_start_is_named_with_its_signal(serve_registry, tmp_path):
+    with _Supervised(serve_registry, tmp_path) as server:
+        first = server.workers()[0]
+        os.kill(first, signal.SIGKILL)
+        assert server.process.wait(timeout=30) == 1
+        server.assert_nothing_left()
+        assert f"worker 0 (pid {first}) died during the start (signal 9): stopping the server" in server.log()
+
+
+@pytest.mark.timeout(60)
+def test_a_second_signal_kills_the_workers_even_a_stuck_one(serve_registry, tmp_path):
+    """A worker that cannot act on SIGTERM (stopped here, hung in a model call in life) holds the first
+    signal's drain; the second signal (SIGINT, a second Ctrl-C) kills it and the supervisor exits."""
+    with _Supervised(serve_registry, tmp_path) as server:
+        stuck = server.workers()[0]
+        _stop(stuck)
+        server.process.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert server.process.poll() is None  # the first signal waits for the stuck worker
+        server.process.send_signal(signal.SIGINT)
+        assert server.process.wait(timeout=5) == 0
+        server.assert_nothing_left()
+        assert "a second signal: every worker killed" in server.log()
+
+
+def _snapshot(success: int, failures: int = 0) -> dict:
+    """A real worker's snapshot: ``success`` requests answered, ``failures`` failed."""
+    from mlscale.serve.metrics import ServerMetrics
+
+    metrics = ServerMetrics()
+    stats = metrics.stats_for("digits", "1")
+    stats.success.inc(success)
+    if failures:
+        stats.failure("model", failures)
+    return metrics.snapshot()
+
+
+def _counted(peers, own: dict, series: str = "success") -> float:
+    """The whole server's count of ``series`` as a scrape of the worker holding ``peers`` shows it."""
+    from mlscale.serve.metrics import MetricsView
+
+    stats = MetricsView.merge(peers.snapshots(own)).models[("digits", "1")]
+    return stats.failures["model"].value if series == "failures" else stats.success.value
+
+
+def test_dead_workers_counters_are_kept_in_one_file_per_worker_however_often_it_restarts(tmp_path):
+    from mlscale.serve.workers import Peers
+
+    supervisor, reader = Peers(tmp_path, 2), Peers(tmp_path, 2, index=1)
+    for generation in range(5):  # worker 0 answers 10 requests, dies, is restarted: five times
+        worker = Peers(tmp_path, 2, index=0, generation=generation)
+        worker.publish(_snapshot(10, failures=1))
+        worker.close()
+        assert _counted(reader, _snapshot(1)) == 10 * generation + 10 + 1
+        supervisor.retire(0)
+        assert _counted(reader, _snapshot(1)) == 10 * generation + 10 + 1  # never less, never twice
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["flags.bin", "retired-0.json"]
+    assert _counted(reader, _snapshot(0), "failures") == 5  # every counter, failures too
+
+    # a reader that finds the live file still there after its counts went into the retired file (the
+    # retirement writes the retired file first, then removes the live one) counts them once
+    Peers(tmp_path, 2, index=0, generation=5).publish(_snapshot(10))
+    live = (tmp_path / "metrics-0.json").read_bytes()
+    supervisor.retire(0)
+    (tmp_path / "metrics-0.json").write_bytes(live)
+    assert _counted(reader, _snapshot(0)) == 60
