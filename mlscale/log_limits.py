@@ -14,7 +14,7 @@ import time
 
 INTERVAL_S = 10.0
 # The loggers whose warnings a client's input causes, one line per request otherwise.
-CLIENT_FED = ("uvicorn.error", "opentelemetry.trace.propagation.tracecontext", "mlscale.ui", "mlscale.serve.input")
+CLIENT_FED = ("uvicorn.error", "opentelemetry.trace.propagation.tracecontext", "mlscale.ui")
 
 
 class RateLimit(logging.Filter):
