@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from mlscale.bench.hostile import Target, big_headers, measure
+from mlscale.rundir import RunDir
 
 UI_ATTACKS = ("planted_runs", "slow_scrape", "huge_scrape", "ui_big_headers")
 READER_ATTACKS = (*UI_ATTACKS, "supervisor_signals")
@@ -43,31 +44,32 @@ def plant(root: Path) -> Path:
     """A runs folder: one good run and every planted file of the review."""
     runs = root / "runs"
 
-    def run(name: str, config: str = '{"task": "digits", "strategy": "ddp", "steps": 10}') -> Path:
-        path = runs / name
-        path.mkdir(parents=True)
-        (path / "config.json").write_text(config)
-        return path
+    def run(name: str, config: str = '{"task": "digits", "strategy": "ddp", "steps": 10}') -> RunDir:
+        made = RunDir(runs / name)
+        made.path.mkdir(parents=True)
+        made.config_path.write_text(config)
+        return made
 
     line = {"step": 1, "loss": 1.0, "per_rank": [{"rank": 0, "step_ms": 5.0, "compute_ms": 3.0}]}
-    (run("good") / "metrics.jsonl").write_text("".join(json.dumps({**line, "step": s}) + "\n" for s in range(1, 200)))
-    os.symlink("/dev/zero", run("zero") / "metrics.jsonl")
-    os.mkfifo(run("fifo") / "report.json")
-    outside = root / "outside"
-    outside.mkdir()
-    (outside / "config.json").write_text('{"task": "not yours"}')
-    os.symlink(outside, runs / "outside")
+    run("good").metrics_path.write_text("".join(json.dumps({**line, "step": s}) + "\n" for s in range(1, 200)))
+    os.symlink("/dev/zero", run("zero").metrics_path)
+    os.mkfifo(run("fifo").report_path)
+    outside = RunDir(root / "outside")
+    outside.path.mkdir()
+    outside.config_path.write_text('{"task": "not yours"}')
+    os.symlink(outside.path, runs / "outside")
     run("list-config", "[1]")
-    (run("odd") / "report.json").write_text('"done"')
-    (runs / "odd" / "plan.json").write_text("[5]")
-    (runs / "odd" / "metrics.jsonl").write_text(
+    odd = run("odd")
+    odd.report_path.write_text('"done"')
+    odd.plan_path.write_text("[5]")
+    odd.metrics_path.write_text(
         '{"step": "x"}\n{"step": 2, "lr": "x", "per_rank": 5}\n{"step": 3, "per_rank": [{"rank": 1e300}]}\n')
-    with (run("torn") / "metrics.jsonl").open("wb") as handle:
+    with run("torn").metrics_path.open("wb") as handle:
         handle.write(json.dumps(line).encode() + b"\n")
         handle.write(b"x" * (200 << 20))  # no final newline
     wide = [{"step": 1, "per_rank": [{"rank": r, "step_ms": 1.0} for r in range(1000)]}]
     wide += [{"step": s, "loss": 1.0, "per_rank": [{"rank": 0, "step_ms": 1.0}]} for s in range(2, 10_002)]
-    (run("wide") / "metrics.jsonl").write_text("".join(json.dumps(w) + "\n" for w in wide))
+    run("wide").metrics_path.write_text("".join(json.dumps(w) + "\n" for w in wide))
     return runs
 
 
