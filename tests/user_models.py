@@ -7,6 +7,12 @@ write them (a dict output, buffers, a free parameter outside any block).
 - ``llama``: Llama with grouped-query attention, declaring its own tensor-parallel plan (``_tp_plan``);
   untied unless ``tie=True``.
 - ``cnn``: convolutions with GroupNorm, a persistent and a non-persistent buffer, returning a dict.
+
+``wrapped=true`` puts GPT-2 or Llama inside the user's own module (``UsersLM``: the usual way to put a head
+or a loss around a Hugging Face model), which returns the logits as a plain tensor.
+
+- ``seqfirst``: blocks written sequence-first that hand their output back transposed (a view), so what one
+  pipeline stage sends the next is not contiguous.
 """
 
 from __future__ import annotations
@@ -40,9 +46,38 @@ def lm_metrics(output, targets: torch.Tensor) -> dict[str, float]:
             "accuracy": (output.logits.argmax(-1) == targets).double().mean().item()}
 
 
+class UsersLM(nn.Module):
+    """A user's module around a Hugging Face causal LM: the model one level down, logits out."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids).logits
+
+
+def logits_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def logits_metrics(logits: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+    accuracy = (logits.argmax(-1) == targets).double().mean().item()
+    return {"loss": logits_loss(logits, targets).item(), "accuracy": accuracy}
+
+
+def _lm_task(name: str, build, seq_len: int, samples: int, wrapped: bool) -> Task:
+    train, held_out = _windows(samples, seq_len)
+    if wrapped:
+        return Task(name=name, build_model=lambda: UsersLM(build()), train=train, eval=held_out,
+                    loss_fn=logits_loss, metrics_fn=logits_metrics, info={"vocab": VOCAB, "seq_len": seq_len})
+    return Task(name=name, build_model=build, train=train, eval=held_out,
+                loss_fn=lm_loss, metrics_fn=lm_metrics, info={"vocab": VOCAB, "seq_len": seq_len})
+
+
 @declare_task
 def gpt2(layers: int = 4, dim: int = 32, heads: int = 4, seq_len: int = 16, samples: int = 256,
-         tie: bool = True) -> Task:
+         tie: bool = True, wrapped: bool = False) -> Task:
     def build() -> nn.Module:  # transformers is imported by the processes that build the model, only
         from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -51,14 +86,12 @@ def gpt2(layers: int = 4, dim: int = 32, heads: int = 4, seq_len: int = 16, samp
             embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, tie_word_embeddings=tie, bos_token_id=0,
             eos_token_id=0))
 
-    train, held_out = _windows(samples, seq_len)
-    return Task(name="gpt2", build_model=build, train=train, eval=held_out,
-                loss_fn=lm_loss, metrics_fn=lm_metrics, info={"vocab": VOCAB, "seq_len": seq_len})
+    return _lm_task("gpt2", build, seq_len, samples, wrapped)
 
 
 @declare_task
 def llama(layers: int = 4, dim: int = 32, heads: int = 4, kv_heads: int = 2, seq_len: int = 16,
-          samples: int = 256, tie: bool = False) -> Task:
+          samples: int = 256, tie: bool = False, wrapped: bool = False) -> Task:
     def build() -> nn.Module:
         from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -67,9 +100,7 @@ def llama(layers: int = 4, dim: int = 32, heads: int = 4, kv_heads: int = 2, seq
             num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=seq_len,
             use_cache=False, tie_word_embeddings=tie, bos_token_id=0, eos_token_id=0, pad_token_id=None))
 
-    train, held_out = _windows(samples, seq_len)
-    return Task(name="llama", build_model=build, train=train, eval=held_out,
-                loss_fn=lm_loss, metrics_fn=lm_metrics, info={"vocab": VOCAB, "seq_len": seq_len})
+    return _lm_task("llama", build, seq_len, samples, wrapped)
 
 
 class SmallCNN(nn.Module):
@@ -113,4 +144,37 @@ def cnn(channels: int = 8, samples: int = 512) -> Task:
                 loss_fn=cnn_loss, metrics_fn=cnn_metrics, info={"inputs": 64, "classes": 10})
 
 
-__all__ = ["ALPHABET", "cnn", "gpt2", "llama"]
+class SeqFirstBlock(nn.Module):
+    """A block written sequence-first (nn.MultiheadAttention's default layout), its output handed back
+    batch-first as a transposed view."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.linear(x.transpose(0, 1))).transpose(0, 1)
+
+
+class SeqFirstLM(nn.Module):
+    def __init__(self, dim: int = 16, layers: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.layers = nn.ModuleList(SeqFirstBlock(dim) for _ in range(layers))
+        self.head = nn.Linear(dim, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+@declare_task
+def seqfirst(dim: int = 16, layers: int = 4, seq_len: int = 16, samples: int = 256) -> Task:
+    train, held_out = _windows(samples, seq_len)
+    return Task(name="seqfirst", build_model=lambda: SeqFirstLM(dim, layers), train=train, eval=held_out,
+                loss_fn=logits_loss, metrics_fn=logits_metrics, info={"vocab": VOCAB, "seq_len": seq_len})
+
+
+__all__ = ["ALPHABET", "SeqFirstLM", "UsersLM", "cnn", "gpt2", "llama", "seqfirst"]

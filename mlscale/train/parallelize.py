@@ -163,21 +163,43 @@ class TPPlan:
 
 def declared_tp_plan(model: nn.Module, task_plan: dict[str, str] | None) -> tuple[dict[str, str], str]:
     """The plan's patterns and their source: the task's ``tp_plan``, else the model's own (Hugging Face:
-    ``_tp_plan``, or its config's ``base_model_tp_plan`` under the base model's prefix), else the built-in
-    one of tinylm-shaped models."""
+    ``_tp_plan``, or its config's ``base_model_tp_plan`` under the base model's prefix), else those of the
+    models nested in it (a Hugging Face model wrapped in the user's module, with a head or a loss around
+    it: each plan is relative to its own model, so it is prefixed with that model's path), else the
+    built-in one of tinylm-shaped models."""
     if task_plan:
         return dict(task_plan), "the task (Task.tp_plan)"
+    own = _declared_by(model, "")
+    if own is not None:
+        return own
+    nested: dict[str, str] = {}
+    sources: list[tuple[str, str]] = []
+    for name, module in model.named_modules():
+        if not name or any(name.startswith(f"{holder}.") for holder, _ in sources):
+            continue  # the model itself, or inside a model whose plan is taken already
+        declared = _declared_by(module, f"{name}.")
+        if declared is not None:
+            nested.update(declared[0])
+            sources.append((name, declared[1]))
+    if nested:
+        return nested, "; ".join(f"{source} at {name}" for name, source in sources)
+    return dict(BUILTIN_TP_PLAN), "mlscale's built-in plan for tinylm-shaped blocks"
+
+
+def _declared_by(model: nn.Module, prefix: str) -> tuple[dict[str, str], str] | None:
+    """The plan ``model`` declares itself, its patterns under ``prefix`` (its path in the whole model)."""
     own = getattr(model, "_tp_plan", None)
     if isinstance(own, dict) and own:
-        return dict(own), f"the model ({type(model).__name__}._tp_plan)"
+        return {prefix + pattern: style for pattern, style in own.items()}, \
+            f"the model ({type(model).__name__}._tp_plan)"
     config = getattr(model, "config", None)
     base = getattr(config, "base_model_tp_plan", None)
     if isinstance(base, dict) and base:
-        prefix = getattr(model, "base_model_prefix", "")
-        prefix = f"{prefix}." if prefix and hasattr(model, prefix) else ""
-        return {prefix + pattern: style for pattern, style in base.items()}, \
+        inner = getattr(model, "base_model_prefix", "")
+        inner = f"{inner}." if inner and hasattr(model, inner) else ""
+        return {prefix + inner + pattern: style for pattern, style in base.items()}, \
             f"the model's config ({type(config).__name__}.base_model_tp_plan)"
-    return dict(BUILTIN_TP_PLAN), "mlscale's built-in plan for tinylm-shaped blocks"
+    return None
 
 
 def _pattern(text: str) -> re.Pattern[str]:

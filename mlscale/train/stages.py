@@ -212,6 +212,7 @@ class SplitModel:
             delattr(split_gm, name)
         stage = self.pipe.build_stage(index, device, group)
         self.pipe = None
+        send_contiguous(stage)
         return stage
 
     def rebuild_output(self, stage_output: Any) -> Any:
@@ -227,6 +228,23 @@ class SplitModel:
             stages = " and ".join(map(str, tie.stages))
             parts.append(f"tied across stages {stages}, kept in step: {' = '.join(tie.names)}")
         return "; ".join(parts)
+
+
+def send_contiguous(stage: Any) -> None:
+    """Make every tensor ``stage`` sends contiguous: its activations forward, its inputs' gradients back.
+    torch's stage sends what the stage's code returns as it is, and gloo (like NCCL's copy) refuses a
+    view: a block written sequence-first that hands its output back transposed, a user's module slicing
+    a Hugging Face model's hidden states, a gradient through a transpose. A copy only where one is a view."""
+    import torch.distributed as dist
+
+    for name in ("get_fwd_send_ops", "get_bwd_send_ops"):
+        sends = getattr(stage, name)
+
+        def contiguous(chunk: int, sends: Any = sends) -> list[Any]:
+            return [op if op.tensor.is_contiguous() else
+                    dist.P2POp(op.op, op.tensor.contiguous(), op.peer, op.group, op.tag) for op in sends(chunk)]
+
+        setattr(stage, name, contiguous)
 
 
 def split_model(model: nn.Module, plan: StagePlan, sample: torch.Tensor) -> SplitModel:
@@ -256,6 +274,7 @@ def split_model(model: nn.Module, plan: StagePlan, sample: torch.Tensor) -> Spli
                          f"stage(s), not {plan.stages} (a split point that runs first, or twice, or never)")
     _pass_skip_connections_through(pipe.split_gm)
     _refuse_skip_connections(pipe.split_gm.graph)
+    _contiguous_boundaries(pipe.split_gm, plan.stages)
     positions = _output_positions(pipe.split_gm.graph, f"submod_pp_{plan.stages - 1}", output_leaves)
     modules = [pipe.get_stage_module(index) for index in range(plan.stages)]
     used = [_used_attributes(module) for module in modules]
@@ -287,6 +306,38 @@ def split_model(model: nn.Module, plan: StagePlan, sample: torch.Tensor) -> Spli
     stage_params = [sum(p.numel() for p in module.parameters()) for module in modules]
     return SplitModel(pipe, plan, ties, [names for names in aliases if len(names) > 1], output_spec, positions,
                       stage_names, stage_params)
+
+
+def _contiguous_boundaries(split_gm: fx.GraphModule, stages: int) -> None:
+    """Every value a stage hands to the next is made contiguous where it is made, and every stage expects
+    its inputs contiguous: torch's stages allocate their receive buffers with the strides the trace saw,
+    so a view crossing a boundary (a block written sequence-first handing its output back transposed)
+    makes gloo refuse the buffer itself ("input tensor has to be contiguous"). The gradients sent back are
+    made contiguous as they are sent (``send_contiguous``)."""
+    for index in range(stages):
+        graph = split_gm.get_submodule(f"submod_pp_{index}").graph
+        for node in graph.nodes:
+            value = node.meta.get("val")
+            if node.op == "placeholder" and isinstance(value, torch.Tensor) and not value.is_contiguous():
+                node.meta["val"] = _contiguous_like(value)
+        output = next(node for node in graph.nodes if node.op == "output")
+
+        def contiguous(node: fx.Node, graph: fx.Graph = graph, output: fx.Node = output) -> fx.Node:
+            value = node.meta.get("val")
+            if not isinstance(value, torch.Tensor) or value.is_contiguous():
+                return node
+            with graph.inserting_before(output):
+                copy = graph.call_method("contiguous", (node,))
+            copy.meta = {**node.meta, "val": _contiguous_like(value)}
+            return copy
+
+        output.args = fx.map_arg(output.args, contiguous)
+        split_gm.get_submodule(f"submod_pp_{index}").recompile()
+
+
+def _contiguous_like(value: torch.Tensor) -> torch.Tensor:
+    """A tensor with ``value``'s shape and dtype, laid out contiguously (only its metadata is read)."""
+    return torch.empty(value.shape, dtype=value.dtype, device="meta", requires_grad=value.requires_grad)
 
 
 def _pass_skip_connections_through(split_gm: fx.GraphModule) -> None:

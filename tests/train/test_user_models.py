@@ -1,7 +1,9 @@
 """Models nobody here wrote (tests/user_models.py) split by tensor parallelism: a Hugging Face Llama by
 its own plan under tp and fsdp x tp, against the unsplit model in float64, resumed across layouts, with a
-tied head, and filled by its own init on the meta device. (GPT-2 and a CNN under fsdp, and activation
-checkpointing: test_user_models_sharded.py; a model larger than one process: test_too_big.py.)"""
+tied head, and filled by its own init on the meta device; GPT-2 and Llama wrapped in a user's module (the
+nested model's plan found under its path; pipeline stages sending contiguous tensors). (GPT-2 and a CNN
+under fsdp, and activation checkpointing: test_user_models_sharded.py; a model larger than one process:
+test_too_big.py.)"""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import final_weights, max_abs_diff, run_cli
+from tests.helpers import final_weights, max_abs_diff, refused, run_cli
 from tests.train.test_resume import stop_at
 
 # The module's trained runs are built once, by the first test that needs them: that setup takes minutes
@@ -93,3 +95,51 @@ def test_a_model_whose_own_init_fills_its_shards_trains(tmp_path):
     assert 0.01 < std < 0.05  # Llama's own init (normal, std 0.02), not uninitialised memory
 
 
+
+
+WRAPPED_LLAMA = [*LLAMA, "--task-opt", "wrapped=true"]
+WRAPPED_GPT2 = ["--task", "tests.user_models:gpt2", "--task-opt", "layers=2", "--task-opt", "wrapped=true"]
+
+
+@pytest.fixture(scope="module")
+def wrapped(tmp_path_factory):
+    """Llama inside a user's module by one process, tp on 2, fsdp x tp on 2 and a 2-stage pipeline; GPT-2
+    inside one by one process and a 2-stage pipeline (its tied head across the stages)."""
+    root = tmp_path_factory.mktemp("wrapped")
+    train(root / "llama-one", *WRAPPED_LLAMA)
+    results = {name: train(root / f"llama-{name}", *WRAPPED_LLAMA, *flags, "--workers", "2")
+               for name, flags in (("tp", ["--strategy", "tp"]), ("fsdp-tp", ["--strategy", "fsdp", "--tp", "2"]),
+                                   ("pipeline", ["--strategy", "pipeline"]))}
+    train(root / "gpt2-one", *WRAPPED_GPT2)
+    train(root / "gpt2-pipeline", *WRAPPED_GPT2, "--strategy", "pipeline", "--workers", "2")
+    return root, results
+
+
+def test_a_llama_wrapped_in_a_users_module_splits_by_its_nested_plan_like_one_process(wrapped):
+    """Its ``_tp_plan`` is relative to itself: found below the user's module and prefixed with its path."""
+    root, results = wrapped
+    assert "tensor-parallel plan from the model (LlamaForCausalLM._tp_plan) at lm:" in results["tp"].stderr
+    for layout in ("tp", "fsdp-tp", "pipeline"):
+        assert max_abs_diff(final_weights(root / f"llama-{layout}"), final_weights(root / "llama-one")) <= EXACT, layout
+    split = json.loads((root / "llama-tp" / "plan.json").read_text())
+    assert split["mesh"]["tp"] == 2
+
+
+def test_a_gpt2_wrapped_in_a_users_module_trains_as_a_pipeline_like_one_process(wrapped):
+    root, _ = wrapped
+    assert max_abs_diff(final_weights(root / "gpt2-pipeline"), final_weights(root / "gpt2-one")) <= EXACT
+
+
+def test_mlscale_plan_finds_the_nested_plan_too():
+    result = refused("plan", *WRAPPED_LLAMA, "--strategy", "tp", "--workers", "2")
+    assert result.returncode == 0 and "tp 2" in result.stdout, result.stderr
+
+
+def test_a_stage_handing_on_a_view_sends_it_contiguous_and_trains_like_one_process(tmp_path):
+    """Blocks written sequence-first hand their output back transposed: gloo refused the stage's buffer
+    ("input tensor has to be contiguous") in the first step."""
+    seqfirst = ["--task", "tests.user_models:seqfirst"]
+    train(tmp_path / "one", *seqfirst)
+    for schedule in ("1f1b", "gpipe"):
+        train(tmp_path / schedule, *seqfirst, "--strategy", "pipeline", "--workers", "2", "--schedule", schedule)
+        assert max_abs_diff(final_weights(tmp_path / schedule), final_weights(tmp_path / "one")) <= EXACT, schedule
