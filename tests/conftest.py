@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import os
 import uuid
+from pathlib import Path
 from types import ModuleType
 from urllib.parse import quote
 
@@ -109,3 +110,55 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return SLOW_FIRST.index(module) if module in SLOW_FIRST else len(SLOW_FIRST)
 
     items.sort(key=rank)
+
+
+# -- every test in a working directory and an environment of its own --------------------------------------
+# A newcomer runs `make demo` (which leaves ./mlscale-registry and ./runs in the checkout) and then
+# `make test`: no test may read those, nor the caller's own settings. So the suite drops the variables a
+# user may have set, runs in a folder of its own (a module's fixtures too), and each test in another;
+# commands the tests start inherit that folder. The checkout's own ./mlscale-registry and ./runs are
+# watched: a test that creates or changes them fails the session (``pytest_sessionfinish``).
+CALLERS_SETTINGS = ("MLSCALE_REGISTRY", "MLSCALE_UI_TOKEN", "MLSCALE_ROUTE_SECRET", "MLSCALE_JOB_TOKEN",
+                    "OTEL_EXPORTER_OTLP_ENDPOINT")
+CHECKOUT = Path(__file__).resolve().parent.parent
+WATCHED = (CHECKOUT / "mlscale-registry", CHECKOUT / "runs")
+
+
+def _state(path: Path) -> tuple[bool, int, int]:
+    """Whether ``path`` exists, and its and its newest child's modification times."""
+    if not path.exists():
+        return (False, 0, 0)
+    children = [child.stat().st_mtime_ns for child in path.iterdir()] if path.is_dir() else []
+    return (True, path.stat().st_mtime_ns, max(children, default=0))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for name in CALLERS_SETTINGS:
+        os.environ.pop(name, None)
+    config.stash[_WATCHED] = {path: _state(path) for path in WATCHED}
+
+
+_WATCHED = pytest.StashKey[dict]()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _suite_folder(tmp_path_factory: pytest.TempPathFactory):
+    """The session's working directory: not the checkout (module fixtures run here)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path_factory.mktemp("working-directory"))
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _test_folder(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test's working directory, its own."""
+    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    changed = [str(path) for path, before in session.config.stash[_WATCHED].items() if _state(path) != before]
+    if changed:
+        session.config.get_terminal_writer().line(
+            f"FAILED: tests created or changed the checkout's {', '.join(changed)} (a test must use a folder "
+            "of its own)", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -27,14 +27,15 @@ REPO = Path(__file__).resolve().parent.parent
 
 def run_cli(*args: str, timeout: float = 120, cwd: Path | None = None,
             plot: bool = False) -> subprocess.CompletedProcess[str]:
-    """``python -m mlscale ARGS`` as a user runs it; a hang fails the test after ``timeout``. ``train`` runs
+    """``python -m mlscale ARGS`` as a user runs it, in the test's own working directory (``cwd``); a hang
+    fails the test after ``timeout``. ``train`` runs
     draw no plot unless ``plot`` (matplotlib's import and drawing cost ~1.5 s of CPU a run; tests/train/
     test_plot.py checks the picture)."""
     if args[:1] == ("train",) and not plot and "--no-plot" not in args:
         args = (*args, "--no-plot")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run([sys.executable, "-m", "mlscale", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd or REPO, env=env)
+                          timeout=timeout, cwd=cwd or Path.cwd(), env=env)
 
 
 def refused(*args: str) -> subprocess.CompletedProcess[str]:

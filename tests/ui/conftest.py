@@ -26,7 +26,7 @@ SCREENSHOTS_ENV = "MLSCALE_UI_SCREENSHOTS"
 def running_ui(*args: str, env: dict[str, str] | None = None, timeout: float = 60):
     """``mlscale ui ARGS`` on a free loopback port; yields (base URL, process); stopped after."""
     port = free_port()
-    process = subprocess.Popen([sys.executable, "-m", "mlscale", "ui", "--port", str(port), *args], cwd=REPO,
+    process = subprocess.Popen([sys.executable, "-m", "mlscale", "ui", "--port", str(port), *args], cwd=Path.cwd(),
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
     base = f"http://127.0.0.1:{port}"

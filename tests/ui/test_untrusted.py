@@ -202,7 +202,7 @@ def _listening_ui(*args: str, nofile: int | None = None):
     port = free_port()
     log = open(Path(args[args.index("--runs") + 1]).parent / "ui.log", "w+")  # noqa: SIM115 (closed by caller)
     limit = (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))) if nofile else None
-    process = subprocess.Popen([sys.executable, "-m", "mlscale", "ui", "--port", str(port), *args], cwd=REPO,
+    process = subprocess.Popen([sys.executable, "-m", "mlscale", "ui", "--port", str(port), *args], cwd=Path.cwd(),
                                stdout=log, stderr=log, env={**os.environ, "PYTHONPATH": str(REPO)},
                                preexec_fn=limit)
     base = f"http://127.0.0.1:{port}"
