@@ -227,7 +227,11 @@ def plot(results: dict[str, Any], path: Path) -> None:
         ax.legend()
     axes[0].set_yscale("log")
     cores = results["machine"].get("cpu_cores", "?")
-    fig.suptitle(f"Hostile clients and readers, {results['seconds']:g} s each, on 127.0.0.1, {cores} cores")
+    title = f"Hostile clients and readers, {results['seconds']:g} s each, on 127.0.0.1, {cores} cores"
+    if "supervisor_signals" in trials:  # no client there: how many starts a signal left something behind
+        title += "\nsupervisor signalled 0-0.3 s into its start, runs that left a process or the port: " + ", ".join(
+            f"{label} {t['left_something']}/{t['runs']}" for label, t in trials["supervisor_signals"].items())
+    fig.suptitle(title)
     save_figure(fig, path)
 
 

@@ -10,7 +10,7 @@ each checkout side by side, with the same normal user as the clients' half: a GE
   the attack asks for the serving view from 8 clients at once, over and over.
 - ``ui_big_headers``: 4 connections each sending a 48 MB header to the UI.
 - ``supervisor_signals``: ``mlscale serve --workers 2`` is sent SIGKILL or SIGTERM 0, 0.05, 0.1 and 0.3 s
-  after its start; counted: runs that left a process serving or the port bound.
+  after it says it starts its workers; counted: runs that left a process serving or the port bound.
 Everything listens on 127.0.0.1 and stops by itself.
 """
 
@@ -218,18 +218,31 @@ def _bound(port: int) -> bool:
     return False
 
 
+def _announced(process: subprocess.Popen[str], seconds: float = 60.0) -> bool:
+    """Wait for the supervisor's "with N workers" line (it has imported what it needs and starts its
+    workers now); the rest of its output is drained in a thread so that it never blocks on the pipe."""
+    assert process.stderr is not None
+    deadline = time.monotonic() + seconds
+    for line in process.stderr:
+        if " workers" in line or time.monotonic() > deadline:
+            threading.Thread(target=process.stderr.read, daemon=True).start()
+            return True
+    return False
+
+
 def supervisor_signals(src: Path, registry: str, path: str = "") -> dict[str, Any]:
-    """SIGKILL and SIGTERM of ``mlscale serve --workers 2`` at 0, 0.05, 0.1, 0.3 s after its start: how
-    many runs left a process alive or the port bound 10 s later."""
+    """SIGKILL and SIGTERM of ``mlscale serve --workers 2`` at 0, 0.05, 0.1, 0.3 s after it says it starts
+    its workers: how many runs left a process alive or the port bound 10 s later."""
     left, cases = [], []
     for sig in (signal.SIGKILL, signal.SIGTERM):
         for delay in (0.0, 0.05, 0.1, 0.3):
             port, marker = _free_port(), f"MLSCALE_BENCH_RUN={time.monotonic_ns()}"
             process = subprocess.Popen(
                 [sys.executable, "-m", "mlscale", "serve", "models:/digits/1", "--workers", "2", "--port", str(port),
-                 "--registry", registry], cwd=src, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                 "--registry", registry], cwd=src, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                 env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(src), path))),
                      marker.split("=")[0]: marker.split("=")[1]})
+            _announced(process)
             time.sleep(delay)
             process.send_signal(sig)
             with contextlib.suppress(subprocess.TimeoutExpired):
