@@ -206,6 +206,15 @@ def plot(results: dict[str, Any], path: Path) -> None:
     trials = results["trials"]
     attacks = [a for a in trials if all("client_p99_ms" in t for t in trials[a].values())]
     labels = list(results["servers"])
+    if not attacks:  # the supervisor's trial alone: starts that left something behind, per checkout
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        signalled = trials["supervisor_signals"]
+        ax.bar(labels, [signalled[label]["left_something"] for label in labels])
+        ax.set_ylim(0, max(t["runs"] for t in signalled.values()))
+        ax.set_title("mlscale serve --workers 2 signalled 0-0.3 s into its start (SIGKILL, SIGTERM):\n"
+                     "runs that left a worker alive or the port bound 10 s later")
+        save_figure(fig, path)
+        return
     fig, axes = plt.subplots(1, 3, figsize=(18, 4.8))
     width = 0.8 / len(labels)
     for ax, key, title in ((axes[0], "client_p99_ms", "normal client's p99 during the attack (ms, log)"),
