@@ -295,6 +295,11 @@ class RecordsOptions(Options):
     eval_every: int = option(
         0, "held-out metrics every N steps, on the console and in metrics.jsonl (`eval`); 0: at the end only", ge=0,
         metavar="N", only={"strategy": ("ddp", "fsdp", "tp")})
+    log_sample_ids: bool = option(
+        False, "write the data set indices each rank trains, one JSON line a step, to RUN_DIR/sample_ids/rankR.jsonl "
+        '({"step", "attempt", "ids"}: a step redone after a restart or a resume appears again with a higher '
+        "attempt, and the later one counts): proof that every sample of an epoch was trained once",
+        only={"strategy": ("ddp", "fsdp"), "fault_tolerance": ("restart",)})
     warmup_steps_for_throughput: int = option(5, "steps left out of samples/s (warm-up)", ge=0, metavar="K")
     straggler_threshold: float = option(
         1.5, "flag a rank whose compute + data wait is X times the fastest rank's", gt=1, metavar="X")

@@ -90,6 +90,13 @@ class RunDir:
     serving_plot_path = property(lambda self: self.path / "plots" / "serving.png")  # mlscale demo
     serving_path = property(lambda self: self.path / "serving.json")  # mlscale demo: its serving figures
 
+    sample_ids = property(lambda self: self.path / "sample_ids")  # --log-sample-ids
+    sample_attempts_path = property(lambda self: self.sample_ids / "attempts.jsonl")  # one line a start
+
+    def sample_ids_path(self, rank: int) -> Path:
+        """``--log-sample-ids``: the data set indices rank ``rank`` trained, a line a step."""
+        return self.sample_ids / f"rank{rank}.jsonl"
+
     def data_cache(self, member: int) -> Path:
         """``--data-cache disk``: the samples process ``member`` read, by row."""
         return self.path / "data-cache" / f"rank{member}"

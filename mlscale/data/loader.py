@@ -46,6 +46,7 @@ class ShardLoader:
         self.data, self.rank, self.world = data, rank, world
         self.batch_size, self.seed = batch_size, seed
         self.position = position or Position()
+        self.last_ids: torch.Tensor | None = None  # the data set indices of the batch last returned
         self._load_epoch()
 
     def _load_epoch(self) -> None:
@@ -63,4 +64,5 @@ class ShardLoader:
         idx = self._indices[self._cursor: self._cursor + self.batch_size]
         self._cursor += self.batch_size
         self.position = Position(self.position.epoch, self.position.offset + self.batch_size * self.world)
+        self.last_ids = idx
         return self.data.inputs[idx], self.data.targets[idx]

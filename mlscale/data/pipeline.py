@@ -142,6 +142,7 @@ class _Batches:
         self.size, self.rank, self.world, self.batch_size, self.seed = size, rank, world, batch_size, seed
         self.start = position
         self.positions: collections.deque[Position] = collections.deque()
+        self.ids: collections.deque[torch.Tensor] = collections.deque()  # each batch's indices, in order
 
     def __iter__(self) -> Iterator[list[int]]:
         position = self.start
@@ -151,6 +152,7 @@ class _Batches:
             for cursor in range(0, len(indices) - self.batch_size + 1, self.batch_size):
                 position = Position(position.epoch, position.offset + self.batch_size * self.world)
                 self.positions.append(position)
+                self.ids.append(indices[cursor: cursor + self.batch_size])
                 yield indices[cursor: cursor + self.batch_size].tolist()
             position = Position(position.epoch + 1, 0)
 
@@ -163,6 +165,7 @@ class StreamLoader:
     def __init__(self, dataset: Dataset[Any], batches: BatchPlan, position: Position, *, workers: int,
                  prefetch: int, pin_memory: bool, collate_fn: Callable[[Any], Any] | None = None) -> None:
         self.position, self.workers, self._batches = position, workers, batches
+        self.last_ids: torch.Tensor | None = None  # the data set indices of the batch last returned, if known
         self.samples = dataset
         self._loader = DataLoader(dataset, batch_sampler=batches, num_workers=workers,  # type: ignore[arg-type]
                                   prefetch_factor=prefetch if workers else None, persistent_workers=workers > 0,
@@ -175,6 +178,8 @@ class StreamLoader:
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
         inputs, targets = next(self._iterator)
         self.position = self._batches.positions.popleft()  # batches come back in the sampler's order
+        ids = getattr(self._batches, "ids", None)  # a plan that knows its rows' indices (in-memory data)
+        self.last_ids = ids.popleft() if ids else None
         return inputs, targets
 
     def close(self) -> None:

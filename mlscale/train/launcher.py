@@ -148,6 +148,9 @@ def check_job(config: TrainConfig, plan: JobPlan, data: TensorData | ParquetData
     if config.per_step and isinstance(data, ParquetData):
         raise UsageError("bad value fault-tolerance='per-step': Parquet data is not built for it yet (a replica "
                          "takes the batch of the quorum's step from its shard); use in-memory data, or restart")
+    if config.records.log_sample_ids and isinstance(data, ParquetData):
+        raise UsageError("bad value log-sample-ids=True: Parquet data is read by row group, not by data set "
+                         "index, and its ids are not logged yet; use in-memory data")
     if isinstance(data, ParquetData):
         check_shardable(data, workers, config.step_batch, config.seed)
     else:

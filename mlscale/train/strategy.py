@@ -49,6 +49,7 @@ class Batch:
     position: Position  # the loader's position after this batch: where a resume goes on from
     started: float  # perf_counter() when the step began (before the batch was loaded)
     data_ms: float  # time spent waiting for the batch
+    ids: torch.Tensor | None = None  # the data set indices of the batch, where the loader knows them
 
 
 @dataclass

@@ -40,6 +40,7 @@ from mlscale.train.plan import JobPlan
 from mlscale.train.records import NO_PROGRESS_ENV as NO_PROGRESS_ENV  # a public name of this module too
 from mlscale.train.records import Records, TrainerFacts
 from mlscale.train.recovery import Heartbeat, RecoveryTracker
+from mlscale.train.sample_ids import SampleIdLog, agreed_attempt
 from mlscale.train.strategies import strategy_for
 from mlscale.train.strategy import Batch, Learner, Setup, StepResult, StepStart
 from mlscale.train.timing import median, now
@@ -128,6 +129,10 @@ class Trainer:
             self.recovery = RecoveryTracker(run_dir, attempt=env.attempt, resumed_from=self.step)
         self.loader: ShardLoader | StreamLoader | None = None
         self.loader = None if self.shard is None else self._make_loader()
+        self.sample_ids: SampleIdLog | None = None
+        if config.records.log_sample_ids:
+            attempt = agreed_attempt(run_dir, env.rank, env.world_size, env.device)
+            self.sample_ids = SampleIdLog(run_dir, env.rank, attempt) if self.shard is not None else None
 
     def _build_plain(self) -> torch.nn.Module:
         return self.task.build_model().to(dtype=self.dtype)
@@ -298,7 +303,7 @@ class Trainer:
         inputs, targets = next(self.loader)
         device = self.env.device
         inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-        return Batch(inputs, targets, self.loader.position, start, (now() - start) * 1e3)
+        return Batch(inputs, targets, self.loader.position, start, (now() - start) * 1e3, self.loader.last_ids)
 
     def _jump(self, start: StepStart) -> None:
         """Go on from where the peer that sent this process the job's state was: its step, its data
@@ -319,7 +324,7 @@ class Trainer:
         if start is not None and start.position is not None:
             self._jump(start)  # the state came from a peer: so does the place in the data
         elif redo is not None:
-            return Batch(redo.inputs, redo.targets, redo.position, now(), 0.0)
+            return Batch(redo.inputs, redo.targets, redo.position, now(), 0.0, redo.ids)
         return self._next_batch()
 
     def _train_step(self) -> StepResult:
@@ -346,6 +351,8 @@ class Trainer:
         self.step = result.step
         self.samples_seen += result.samples
         self.positions.update(result.positions)
+        if self.sample_ids is not None and batch is not None:
+            self.sample_ids.write(self.step, batch.ids)
         self.heartbeat.beat(self.step)
         if self.recovery is not None:
             event = self.recovery.first_step_done()
