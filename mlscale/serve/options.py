@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from mlscale.connections import open_file_connection_limit
 from mlscale.errors import UsageError
 from mlscale.serve.runtimes import AUTO, RuntimeChoice
 
@@ -128,12 +129,7 @@ class ServeOptions(BaseModel):
     def connection_limit(self) -> int:
         """``max_connections``, or what the process's open-file limit allows (a socket is a file; leave
         room for models, logs and the registry), at most 2048."""
-        if self.max_connections is not None:
-            return self.max_connections
-        import resource
-
-        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-        return max(64, min(2048, (soft if soft != resource.RLIM_INFINITY else 4096) - 128))
+        return self.max_connections if self.max_connections is not None else open_file_connection_limit(2048)
 
 
 def split_share(value: str, name: str, required: bool) -> tuple[str, float]:
