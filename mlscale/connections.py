@@ -41,7 +41,8 @@ MAX_ONE_HEADER_BYTES = 16 * 1024  # one header's name and value
 
 
 class HeaderDeadline(HttpToolsProtocol):
-    """uvicorn's httptools protocol, with a deadline on reading each request's headers."""
+    """uvicorn's httptools protocol, with a deadline on reading each request's headers, a bound on their
+    bytes (431) and a cap on open connections (503)."""
 
     header_timeout_s = 5.0  # set per server by ``protocol_with``
     body_timeout_s = 11.0

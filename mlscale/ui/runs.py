@@ -471,7 +471,7 @@ class RunView:
     def _last_record(self) -> dict[str, Any]:
         """The newest metrics line: from the records if read, else from the file's tail only (the runs
         table reads no run whole)."""
-        size = _size(self.run.metrics_path) or 0
+        size = self.folder.size(self.run.metrics_path) or 0
         with self._lock:
             if self.series.steps and size == self._offset:  # read to the end
                 last = len(self.series.steps) - 1
@@ -740,13 +740,6 @@ def _short(exc: BaseException) -> str:
 def _mtime(path: Path) -> float | None:
     try:
         return path.stat().st_mtime
-    except OSError:
-        return None
-
-
-def _size(path: Path) -> int | None:
-    try:
-        return path.stat().st_size
     except OSError:
         return None
 
