@@ -17,15 +17,17 @@ from mlscale.lazy import lazy_names
 
 if TYPE_CHECKING:
     from mlscale.config import TrainConfig, build_config
+    from mlscale.data.collate import PadCollate
+    from mlscale.data.hf_datasets import HFDataset
     from mlscale.data.parquet import ParquetData
     from mlscale.tasks import Task, TensorData, declare_task
     from mlscale.train.launcher import fit
 
-__all__ = ["MlscaleError", "ParquetData", "Task", "TensorData", "TrainConfig", "UsageError", "WorkerFailed",
-           "build_config", "declare_task", "fit"]
+__all__ = ["HFDataset", "MlscaleError", "PadCollate", "ParquetData", "Task", "TensorData", "TrainConfig",
+           "UsageError", "WorkerFailed", "build_config", "declare_task", "fit"]
 __version__ = "0.1.0"
 
 __getattr__, __dir__ = lazy_names(__name__, {
     "TrainConfig": "mlscale.config", "build_config": "mlscale.config", "Task": "mlscale.tasks",
     "TensorData": "mlscale.tasks", "ParquetData": "mlscale.data.parquet", "declare_task": "mlscale.tasks",
-    "fit": "mlscale.train.launcher"})
+    "fit": "mlscale.train.launcher", "PadCollate": "mlscale.data.collate", "HFDataset": "mlscale.data.hf_datasets"})

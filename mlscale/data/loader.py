@@ -8,12 +8,16 @@ batches at the end of an epoch are dropped so that every step has the same globa
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from mlscale.data.sampler import shard_indices
 from mlscale.data.tensors import TensorData
 from mlscale.errors import UsageError
+
+if TYPE_CHECKING:
+    from mlscale.data.dataset import MapData
 
 
 @dataclass
@@ -38,9 +42,10 @@ def check_a_batch_fits(size: int, world: int, batch_size: int, source: str = "th
 
 
 class ShardLoader:
-    """Yields ``(inputs, targets)`` batches of this rank's shard, epoch after epoch, forever."""
+    """Yields ``(inputs, targets)`` batches of this rank's shard, epoch after epoch, forever, in this
+    process: rows of in-memory tensors, or a user's Dataset's items collated (``MapData``)."""
 
-    def __init__(self, data: TensorData, *, rank: int, world: int, batch_size: int, seed: int,
+    def __init__(self, data: TensorData | MapData, *, rank: int, world: int, batch_size: int, seed: int,
                  position: Position | None = None) -> None:
         check_a_batch_fits(len(data), world, batch_size)
         self.data, self.rank, self.world = data, rank, world
@@ -57,7 +62,7 @@ class ShardLoader:
     def __iter__(self) -> ShardLoader:
         return self
 
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def __next__(self) -> tuple[Any, Any]:
         if self._cursor + self.batch_size > len(self._indices):
             self.position = Position(self.position.epoch + 1, 0)
             self._load_epoch()
@@ -65,4 +70,4 @@ class ShardLoader:
         self._cursor += self.batch_size
         self.position = Position(self.position.epoch, self.position.offset + self.batch_size * self.world)
         self.last_ids = idx
-        return self.data.inputs[idx], self.data.targets[idx]
+        return self.data.batch(idx)

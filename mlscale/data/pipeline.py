@@ -28,9 +28,12 @@ from typing import Any, Literal, Protocol
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from mlscale.data.dataset import CollateIndexed, Items, MapData, SampleError, message_of, span
+from mlscale.data.item_cache import make_item_cache
 from mlscale.data.loader import Position, check_a_batch_fits
 from mlscale.data.sampler import shard_indices
 from mlscale.data.tensors import TensorData
+from mlscale.errors import first_line
 from mlscale.io import atomic_write_json
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
@@ -175,15 +178,24 @@ class StreamLoader:
     def __iter__(self) -> StreamLoader:
         return self
 
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs, targets = next(self._iterator)
+    def __next__(self) -> tuple[Any, Any]:
+        try:
+            inputs, targets = next(self._iterator)
+        except SampleError as exc:  # raised in a worker: its one line again, without the worker's traceback
+            raise SampleError(message_of(exc)) from None
+        except RuntimeError as exc:
+            if "DataLoader worker" not in str(exc):
+                raise
+            ids = getattr(self._batches, "ids", None)
+            samples = f" while loading samples {span(ids[0].tolist())}" if ids else ""
+            raise SampleError(f"a data-loading worker process died{samples}: {first_line(exc)}") from None
         self.position = self._batches.positions.popleft()  # batches come back in the sampler's order
         ids = getattr(self._batches, "ids", None)  # a plan that knows its rows' indices (in-memory data)
         self.last_ids = ids.popleft() if ids else None
         return inputs, targets
 
     def close(self) -> None:
-        del self._iterator  # stops the worker processes
+        self.__dict__.pop("_iterator", None)  # stops the worker processes
 
 
 class PipelineLoader(StreamLoader):
@@ -200,6 +212,28 @@ class PipelineLoader(StreamLoader):
         super().__init__(_Samples(data, transform, cache, cache_dir, cache_key),
                          _Batches(len(data), rank, world, batch_size, seed, position), position,
                          workers=workers, prefetch=prefetch, pin_memory=pin_memory)
+
+
+class DatasetLoader(StreamLoader):
+    """``ShardLoader``'s batches of a user's Dataset (``MapData``) through the input pipeline: items read
+    (and collated with the task's collate) in ``workers`` DataLoader processes, kept by ``--data-cache``
+    when asked (``item_cache``: the items' shapes may differ)."""
+
+    def __init__(self, data: MapData, *, rank: int, world: int, batch_size: int, seed: int,
+                 position: Position | None = None, workers: int = 0, prefetch: int = 2,
+                 transform: Transform | None = None, cache: CacheKind = "none", cache_dir: Path | None = None,
+                 cache_key: str = "", pin_memory: bool = False) -> None:
+        check_a_batch_fits(len(data), world, batch_size)
+        position = position or Position()
+        self.cache = make_item_cache(cache, cache_dir, cache_key)
+        super().__init__(Items(data, self.cache), _Batches(len(data), rank, world, batch_size, seed, position),
+                         position, workers=workers, prefetch=prefetch, pin_memory=pin_memory,
+                         collate_fn=CollateIndexed(data))
+
+    def close(self) -> None:
+        super().close()
+        if self.cache is not None:
+            self.cache.close()
 
 
 def autotune_workers(make: Callable[[int], StreamLoader], batches: int = 8) -> tuple[int, dict[int, float]]:
@@ -225,4 +259,5 @@ def describe_choice(best: int, timings: dict[int, float]) -> str:
     return f"mlscale: --data-workers auto picked {best} (ms per batch by workers: {measured})"
 
 
-__all__ = ["PipelineLoader", "SampleCache", "StreamLoader", "autotune_workers", "describe_choice", "make_cache"]
+__all__ = ["DatasetLoader", "PipelineLoader", "SampleCache", "StreamLoader", "autotune_workers", "describe_choice",
+           "make_cache"]

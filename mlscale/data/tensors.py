@@ -21,6 +21,10 @@ class TensorData:
     def __len__(self) -> int:
         return len(self.inputs)
 
+    def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``indices`` of the inputs and of the targets."""
+        return self.inputs[indices], self.targets[indices]
+
     def to(self, dtype: torch.dtype) -> TensorData:
         """Cast floating-point tensors to ``dtype``; integer labels stay as they are."""
         cast = [t.to(dtype) if t.is_floating_point() else t for t in (self.inputs, self.targets)]

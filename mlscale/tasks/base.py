@@ -1,25 +1,31 @@
 """The task interface: what the trainer needs to know about a model and its data.
 
-A task bundles a model factory, train and eval tensors, a loss and eval metrics. The trainer never
-looks inside; any user task is a function returning a ``Task``.
+A task bundles a model factory, train and eval data, a loss and eval metrics. The data is in-memory
+tensors (``TensorData``), Parquet files (``ParquetData``, training only) or any map-style
+``torch.utils.data.Dataset`` whose items are ``(inputs, target)``, batched by the task's ``collate``.
+The trainer never looks inside; any user task is a function returning a ``Task``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils.data import Dataset
 
+from mlscale.data.batches import Tree
+from mlscale.data.dataset import Collate, MapData, is_map_dataset
 from mlscale.data.tensors import TensorData
+from mlscale.errors import UsageError
 
 if TYPE_CHECKING:
     from mlscale.data.parquet import ParquetData
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-MetricsFn = Callable[[torch.Tensor, torch.Tensor], dict[str, float]]
+LossFn = Callable[[Any, Any], torch.Tensor]  # (the model's output, the batch's targets) -> the loss
+MetricsFn = Callable[[Any, Any], dict[str, float]]
 
 
 def classification_metrics(outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
@@ -35,13 +41,15 @@ def regression_metrics(outputs: torch.Tensor, targets: torch.Tensor) -> dict[str
 @dataclass
 class Task:
     """A model and its data. ``build_model`` must create the same weights under the same torch seed.
-    The training split is in memory, or Parquet files streamed by row group (``ParquetData``); the
-    held-out split is in memory."""
+    The training split is in memory, Parquet files streamed by row group (``ParquetData``) or a map-style
+    ``Dataset``; the held-out split is in memory or a ``Dataset``. A Dataset's item is ``(inputs, target)``;
+    the model is called ``model(**inputs)`` for a dict, ``model(*inputs)`` for a tuple, ``model(inputs)``
+    for a tensor, and the loss and metrics get its output and the batch's targets."""
 
     name: str
     build_model: Callable[[], nn.Module]
-    train: TensorData | ParquetData
-    eval: TensorData
+    train: TensorData | ParquetData | Dataset[Any]
+    eval: TensorData | Dataset[Any]
     loss_fn: LossFn = nn.functional.cross_entropy
     metrics_fn: MetricsFn = classification_metrics
     info: dict[str, object] = field(default_factory=dict)
@@ -52,14 +60,45 @@ class Task:
     # a block's index) -> "colwise" | "rowwise" | "colwise_gather_output" | "embedding_rowwise" (the words of
     # Hugging Face's ``_tp_plan``). Without one, the model's own declared plan is used, else tinylm's.
     tp_plan: dict[str, str] | None = None
+    # A Dataset's items into one batch: a function from a list of ``(inputs, target)`` items to
+    # ``(inputs, targets)``. Default: stacked (``mlscale.data.collate.stack``); ``mlscale.PadCollate`` pads
+    # samples of different lengths.
+    collate: Collate | None = None
 
-    def example_inputs(self, rows: int, dtype: torch.dtype) -> torch.Tensor:
-        """``rows`` inputs as the model receives them (held-out samples, repeated if there are fewer,
-        transformed like the training samples, floats in ``dtype``): what a strategy that traces the
-        model (a pipeline) traces it on. Only the rows taken are transformed."""
-        held_out = self.eval.inputs
-        inputs = held_out[torch.arange(rows) % len(held_out)]
-        inputs = inputs.to(dtype) if inputs.is_floating_point() else inputs  # as the trainer casts its data
+    def train_data(self) -> TensorData | ParquetData | MapData:
+        """The training split in the form the loaders read (a Dataset wrapped with the task's collate)."""
+        return self._data(self.train, "the training Dataset")
+
+    def eval_data(self) -> TensorData | MapData:
+        data = self._data(self.eval, "the held-out Dataset")
+        if not isinstance(data, (TensorData, MapData)):
+            raise UsageError(f"task {self.name!r}: the held-out split must be in memory or a Dataset")
+        return data
+
+    def _data(self, source: Any, name: str) -> Any:
+        from mlscale.data.parquet import ParquetData
+
+        if isinstance(source, (TensorData, ParquetData)):
+            return source
+        if not is_map_dataset(source):
+            raise UsageError(f"task {self.name!r}: {name.removeprefix('the ')} is a {type(source).__name__}; give "
+                             "TensorData, ParquetData or a map-style torch Dataset (__len__ and __getitem__)")
+        if self.transform is not None:
+            raise UsageError(f"task {self.name!r}: Task.transform applies to TensorData; a Dataset transforms its "
+                             "items in its own __getitem__")
+        return MapData(source, self.collate, name=name)
+
+    def example_batch(self, rows: int, dtype: torch.dtype) -> tuple[Tree, Tree]:
+        """``rows`` held-out samples (repeated if there are fewer) as the model receives them: transformed
+        like the training samples, collated, floats in ``dtype``. Only the rows taken are transformed."""
+        held_out = self.eval_data().to(dtype)
+        indices = torch.arange(rows) % len(held_out)
+        inputs, targets = held_out.batch(indices)
         if self.transform is not None:
             inputs = torch.stack([self.transform(x) for x in inputs])
-        return inputs
+        return inputs, targets
+
+    def example_inputs(self, rows: int, dtype: torch.dtype) -> Tree:
+        """``rows`` inputs as the model receives them (``example_batch``): what a strategy that traces
+        the model (a pipeline) traces it on, and what an export is checked on."""
+        return self.example_batch(rows, dtype)[0]

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from mlscale.config import TrainConfig, flatten, merged, validated
+from mlscale.data.dataset import MapData
 from mlscale.data.loader import check_a_batch_fits
 from mlscale.data.parquet import ParquetData, check_shardable
 from mlscale.data.tensors import TensorData
@@ -49,8 +50,9 @@ def fit(config: TrainConfig, *, keep_group: bool = False) -> dict[str, Any]:
         # merge, so a rank reading it before or after the rewrite gets the same configuration.
         config = resumed_config(config)
     task = make_task(config.task, config.task_options)  # fail fast, with exit 2, on a bad task
-    plan = plan_job(config, data=task.train)  # the one place the job's layout and length are worked out
-    check_job(config, plan, task.train, task.build_model, task.tp_plan)
+    data = task.train_data()
+    plan = plan_job(config, data=data)  # the one place the job's layout and length are worked out
+    check_job(config, plan, data, task.build_model, task.tp_plan, eval_data=task.eval_data())
     if config.run_dir is None:
         config = config.model_copy(update={"run_dir": default_run_dir(config.task)})
     run_dir = RunDir(config.run_dir)
@@ -78,10 +80,11 @@ def check_only(config: TrainConfig) -> str:
     Returns a one-line summary; a mistake is a ``UsageError``."""
     task = make_task(config.task, config.task_options)
     given = os.environ.get("WORLD_SIZE", "")
-    plan = plan_job(config, world=int(given) if given.isdigit() and int(given) > 0 else None, data=task.train)
-    check_job(config, plan, task.train, task.build_model, task.tp_plan)
+    data = task.train_data()
+    plan = plan_job(config, world=int(given) if given.isdigit() and int(given) > 0 else None, data=data)
+    check_job(config, plan, data, task.build_model, task.tp_plan, eval_data=task.eval_data())
     return (f"ok: task {config.task}, strategy {config.strategy}, {plan.processes} process(es), "
-            f"{len(task.train):,} training samples")
+            f"{len(data):,} training samples")
 
 
 def resumed_config(config: TrainConfig) -> TrainConfig:
@@ -122,8 +125,9 @@ def _unchanged_unless_it_trains(run_dir: RunDir) -> Iterator[None]:
         raise
 
 
-def check_job(config: TrainConfig, plan: JobPlan, data: TensorData | ParquetData,
-              build_model: Callable[[], Any] | None = None, tp_plan: dict[str, str] | None = None) -> None:
+def check_job(config: TrainConfig, plan: JobPlan, data: TensorData | ParquetData | MapData,
+              build_model: Callable[[], Any] | None = None, tp_plan: dict[str, str] | None = None,
+              eval_data: TensorData | MapData | None = None) -> None:
     """Everything about the job that can be checked before a worker starts: a mistake is one line and
     exit 2 here, not a worker's traceback later."""
     import torch
@@ -136,13 +140,21 @@ def check_job(config: TrainConfig, plan: JobPlan, data: TensorData | ParquetData
         except ImportError:
             raise UsageError("bad value log='tensorboard': needs the tensorboard package (pip install "
                              "'mlscale[tensorboard]')") from None
-    if build_model is not None and strategy.checks_model(config):  # (a user's model may import a large library)
+    for split in (data, eval_data):
+        if isinstance(split, MapData):
+            split.check()  # its first and last items, collated
+    if config.strategy == "pipeline" and isinstance(data, MapData):
+        strategy.check_fixed_shapes(data)  # type: ignore[attr-defined]
+    named = _named_inputs(data)
+    if build_model is not None and (strategy.checks_model(config) or named):  # (a model may import a large library)
         try:
             with torch.device("meta"):  # the structure only: no memory for the weights
                 model = build_model()
         except Exception:  # a factory that cannot build on the meta device: the workers will check
             model = None
-        if model is not None:
+        if model is not None and named:
+            check_takes(model, named)
+        if model is not None and strategy.checks_model(config):
             strategy.check_model(config, model, world, tp_plan)
     groups, workers = plan.replica_groups, plan.data_shards
     if config.per_step and isinstance(data, ParquetData):
@@ -165,6 +177,32 @@ def check_job(config: TrainConfig, plan: JobPlan, data: TensorData | ParquetData
     if config.compute.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("bad value device='cuda': no CUDA device is available here (torch "
                          f"{torch.__version__}); use --device cpu or auto")
+
+
+def _named_inputs(data: Any) -> list[str]:
+    """The names of a Dataset's inputs when its items' inputs are a dict (else none)."""
+    if not isinstance(data, MapData):
+        return []
+    inputs = data.item(0)[0]
+    return list(inputs) if isinstance(inputs, dict) else []
+
+
+def check_takes(model: Any, names: list[str]) -> None:
+    """Refuse dict inputs whose keys the model's ``forward`` does not take (unless it takes ``**kwargs``)."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return
+    unknown = [name for name in names if name not in parameters]
+    if unknown:
+        takes = ", ".join(name for name, p in parameters.items() if p.kind is not inspect.Parameter.VAR_POSITIONAL)
+        raise UsageError(f"the Dataset's inputs name {', '.join(map(repr, unknown))}, which "
+                         f"{type(model).__name__}.forward does not take (it takes: {takes}); the model is called "
+                         "model(**inputs) with a dict")
 
 
 def default_run_dir(task: str) -> str:

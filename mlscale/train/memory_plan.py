@@ -33,6 +33,8 @@ import torch
 from torch import nn
 
 from mlscale.config import TrainConfig, flatten, merged, read_config_file, validated
+from mlscale.data.batches import Tree, call_model, chunk, rows, tree_map
+from mlscale.data.dataset import MapData
 from mlscale.errors import UsageError
 from mlscale.tasks import Task, make_task
 from mlscale.train.materialize import build_on_meta
@@ -234,6 +236,17 @@ def fake_mode() -> Any:
 Shape = tuple[torch.Size, torch.dtype]
 
 
+def _sample_batch(task: Task, dtype: torch.dtype, rows: int) -> tuple[Tree, Tree]:
+    """A batch of training samples and targets as the model receives them (after the task's transform, in
+    the run's dtype), of which only the shapes after the first dimension and the dtypes count: one sample
+    of in-memory or Parquet data; of a Dataset, its first ``rows`` items collated (padded as a run pads)."""
+    data = task.train_data()
+    if isinstance(data, MapData):
+        return data.to(dtype).batch(range(min(rows, len(data))))
+    (input_shape, input_dtype), (target_shape, target_dtype) = _sample_shape(task, dtype)
+    return torch.empty((1, *input_shape), dtype=input_dtype), torch.empty((1, *target_shape), dtype=target_dtype)
+
+
 def _sample_shape(task: Task, dtype: torch.dtype) -> tuple[Shape, Shape]:
     """The shape and dtype of one training sample and its target, as the model receives them (after the
     task's transform, in the run's dtype)."""
@@ -250,13 +263,12 @@ def _sample_shape(task: Task, dtype: torch.dtype) -> tuple[Shape, Shape]:
     return cast[0], cast[1]
 
 
-def _fake_batch(shapes: tuple[Shape, Shape], samples: int, chunks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first micro-step's inputs and targets, chunks of a step batch of ``samples`` as a run's loader
-    gives it (so a saved input counts the batch's storage, as it does in a run). Call in fake mode."""
-    (input_shape, input_dtype), (target_shape, target_dtype) = shapes
-    inputs = torch.empty((samples, *input_shape), dtype=input_dtype)
-    targets = torch.empty((samples, *target_shape), dtype=target_dtype)
-    return inputs.chunk(chunks)[0], targets.chunk(chunks)[0]
+def _fake_batch(example: tuple[Tree, Tree], samples: int, chunks: int) -> tuple[Tree, Tree]:
+    """The first micro-step's inputs and targets, chunks of a step batch of ``samples`` shaped like
+    ``example`` as a run's loader gives it (so a saved input counts the batch's storage, as it does in a
+    run). Call in fake mode."""
+    inputs, targets = tree_map(lambda t: torch.empty((samples, *t.shape[1:]), dtype=t.dtype), example)
+    return chunk(inputs, chunks)[0], chunk(targets, chunks)[0]
 
 
 def _autocast(config: TrainConfig) -> contextlib.AbstractContextManager[Any]:
@@ -310,7 +322,7 @@ class _Planner:
     def __init__(self, task: Task, config: TrainConfig, checkpointing: str) -> None:
         self.task, self.config, self.checkpointing = task, config, checkpointing
         self.dtype = getattr(torch, config.compute.dtype)
-        self.shapes = _sample_shape(task, self.dtype)
+        self.example = _sample_batch(task, self.dtype, config.step_batch)
 
     def build(self) -> nn.Module:
         return build_on_meta(lambda: self.task.build_model().to(dtype=self.dtype))
@@ -355,7 +367,7 @@ class _Planner:
             self.split(model, layout)
             with fake_mode():
                 model.to_empty(device="cpu")
-                inputs, targets = _fake_batch(self.shapes, config.step_batch, config.grad_accum)
+                inputs, targets = _fake_batch(self.example, config.step_batch, config.grad_accum)
                 activations = self.forward(model, inputs, targets, backward=True)
                 optimizer = _stepped(config, model.parameters())
                 state = _state_bytes(model.parameters(), optimizer)
@@ -363,12 +375,12 @@ class _Planner:
                 checkpointed = self.forward(model, inputs, targets, backward=False)
         return RankBytes(state["params"], state["grads"], state["optimizer"], activations, checkpointed)
 
-    def forward(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor, backward: bool,
+    def forward(self, model: nn.Module, inputs: Tree, targets: Tree, backward: bool,
                 saved: SavedActivations | None = None) -> int:
         """What autograd keeps for the backward of one micro-step (``ReplicaStrategy.step`` measures it so)."""
         saved = saved or SavedActivations(model.parameters())
         with _autocast(self.config), eager_mask_paths(), saved:
-            loss = self.task.loss_fn(model(inputs), targets)
+            loss = self.task.loss_fn(call_model(model, inputs), targets)
         if backward:
             loss.backward()
         return saved.bytes
@@ -383,8 +395,8 @@ class _Planner:
         with fake_mode():
             model.to_empty(device="cpu")  # new parameter objects: the units are found after
             units = _pipeline_units(model)
-            inputs, targets = _fake_batch(self.shapes, config.batch_size, config.pipeline.microbatches)
-            assert len(inputs) == microbatch
+            inputs, targets = _fake_batch(self.example, config.batch_size, config.pipeline.microbatches)
+            assert rows(inputs) == microbatch
             saved = _SavedByUnit(model, units)
             with saved.attributing():
                 self.forward(model, inputs, targets, backward=True, saved=saved)

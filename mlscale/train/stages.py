@@ -55,6 +55,8 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
+from mlscale.data.batches import Tree, as_call, call_model
+from mlscale.data.batches import leaves as tensors_of
 from mlscale.errors import UsageError, first_line
 from mlscale.train.parallelize import BlockContainer, find_blocks
 
@@ -247,8 +249,9 @@ def send_contiguous(stage: Any) -> None:
         setattr(stage, name, contiguous)
 
 
-def split_model(model: nn.Module, plan: StagePlan, sample: torch.Tensor) -> SplitModel:
-    """Trace ``model`` on ``sample`` (one microbatch of inputs) and cut it at ``plan.starts``. A model
+def split_model(model: nn.Module, plan: StagePlan, sample: Tree) -> SplitModel:
+    """Trace ``model`` on ``sample`` (one microbatch of inputs: a tensor, a tuple or a dict of them, passed
+    as the trainer passes them, ``batches.call_model``) and cut it at ``plan.starts``. A model
     torch cannot export, or a split that does not give ``plan.stages`` stages ending in the model's
     output, is refused with one line. The stage modules share ``model``'s tensors (all but the copies of a
     weight tied across stages), and ``model`` runs as before."""
@@ -261,7 +264,9 @@ def split_model(model: nn.Module, plan: StagePlan, sample: torch.Tensor) -> Spli
     output_spec, output_leaves = _output_spec(model, sample)
     try:
         with _quiet_tracing():
-            pipe = pipeline(model, mb_args=(sample,), split_spec=dict.fromkeys(plan.starts, SplitPoint.BEGINNING))
+            args, kwargs = stage_call(sample)
+            pipe = pipeline(model, mb_args=args, mb_kwargs=kwargs or None,
+                            split_spec=dict.fromkeys(plan.starts, SplitPoint.BEGINNING))
     except Exception as exc:  # torch.export's errors have many types; each is this model's, not ours
         cause = exc.__cause__ or exc
         hint = "choose other --split-points or" if plan.given else "name other stage starts with --split-points or"
@@ -306,6 +311,15 @@ def split_model(model: nn.Module, plan: StagePlan, sample: torch.Tensor) -> Spli
     stage_params = [sum(p.numel() for p in module.parameters()) for module in modules]
     return SplitModel(pipe, plan, ties, [names for names in aliases if len(names) > 1], output_spec, positions,
                       stage_names, stage_params)
+
+
+def stage_call(inputs: Tree) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments a pipeline is traced with and its first stage is called with: ``as_call``'s, keyword
+    arguments in sorted order. torch's traced first stage binds its keyword inputs in sorted order but
+    reads them back in the order they were given (torch 2.13), so inputs given in any other order
+    reach the wrong parameters (token ids where a mask belongs)."""
+    args, kwargs = as_call(inputs)
+    return args, dict(sorted(kwargs.items()))
 
 
 def _contiguous_boundaries(split_gm: fx.GraphModule, stages: int) -> None:
@@ -485,17 +499,18 @@ def _unmark_split_points(model: nn.Module, starts: Iterable[str]) -> None:
         module.__dict__.pop("_orig_forward", None)
 
 
-def _output_spec(model: nn.Module, sample: torch.Tensor) -> tuple[pytree.TreeSpec | None, int | None]:
+def _output_spec(model: nn.Module, sample: Tree) -> tuple[pytree.TreeSpec | None, int | None]:
     """The structure of what ``model`` returns and its number of tensors, from one forward on ``sample``
     (no gradients; the random number generators and the buffers, e.g. running statistics, are put back
     as they were, so training sees the model untouched). A model on the meta device is not run (its
     forward may read values; the launcher's check needs only the split): (None, None)."""
-    if sample.is_meta or any(t.is_meta for t in model.parameters()):
+    tensors = tensors_of(sample)
+    if any(t.is_meta for t in tensors) or any(t.is_meta for t in model.parameters()):
         return None, None
     buffers = {name: buffer.clone() for name, buffer in model.named_buffers()}
-    devices = [sample.device] if sample.device.type == "cuda" else []
+    devices = [t.device for t in tensors[:1] if t.device.type == "cuda"]
     with torch.no_grad(), torch.random.fork_rng(devices=devices):
-        output = model(sample)
+        output = call_model(model, sample)
         for name, buffer in model.named_buffers():
             buffer.copy_(buffers[name])
     leaves, spec = pytree.tree_flatten(output)

@@ -44,8 +44,8 @@ SharedT = TypeVar("SharedT", bound=Shared)
 class Batch:
     """One step's input on a data rank, with what the trainer measured before handing it over."""
 
-    inputs: torch.Tensor  # on the rank's device
-    targets: torch.Tensor
+    inputs: Any  # on the rank's device: a tensor, a tuple or a dict of tensors (mlscale.data.batches)
+    targets: Any  # a tensor or a dict of tensors
     position: Position  # the loader's position after this batch: where a resume goes on from
     started: float  # perf_counter() when the step began (before the batch was loaded)
     data_ms: float  # time spent waiting for the batch
@@ -174,7 +174,7 @@ class Setup:
     tp_plan: dict[str, str] | None = None  # the task's tensor-parallel plan, if it declares one
     # One batch of example inputs as the model receives them (held-out samples, transformed, in the job's
     # dtype, on this rank's device), for a strategy that traces the model (a pipeline, on a microbatch).
-    sample_inputs: torch.Tensor | None = None
+    sample_inputs: Any = None  # a tensor, a tuple or a dict of tensors (mlscale.data.batches)
     # Called by a strategy once this process can be seen by its peers (per-step fault tolerance: its
     # torchft Manager heartbeats to the lighthouse); the trainer's fault injector listens (rejoin_by).
     ready: Callable[[], None] = lambda: None

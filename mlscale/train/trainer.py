@@ -24,8 +24,10 @@ import torch.distributed as dist
 
 from mlscale.config import TrainConfig
 from mlscale.data import Position, ShardLoader
+from mlscale.data.batches import call_model, rows, take, to_device
+from mlscale.data.dataset import MapData
 from mlscale.data.parquet import ParquetData, ParquetLoader, check_resumable
-from mlscale.data.pipeline import PipelineLoader, StreamLoader, autotune_workers, describe_choice
+from mlscale.data.pipeline import DatasetLoader, PipelineLoader, StreamLoader, autotune_workers, describe_choice
 from mlscale.errors import MlscaleError
 from mlscale.lineage import data_fingerprint
 from mlscale.rundir import RunDir
@@ -67,6 +69,16 @@ def lr_factor(config: TrainConfig, total: int) -> Any:
     return factor
 
 
+EVAL_BATCH = 1024
+
+
+def _eval_batches(data: TensorData | MapData) -> Any:
+    """The held-out split in batches of ``EVAL_BATCH`` rows, in order."""
+    for start in range(0, len(data), EVAL_BATCH):
+        indices = torch.arange(start, min(start + EVAL_BATCH, len(data)))
+        yield data.batch(indices) if isinstance(data, MapData) else (take(data.inputs, indices), data.targets[indices])
+
+
 class Trainer:
     def __init__(self, config: TrainConfig, env: DistEnv, run_dir: RunDir, plan: JobPlan,
                  before_model: Callable[[], None] = lambda: None) -> None:
@@ -74,7 +86,7 @@ class Trainer:
         self.config, self.env, self.run_dir, self.plan = config, env, run_dir, plan
         self.task = make_task(config.task, config.task_options)
         self.dtype = getattr(torch, config.compute.dtype)
-        self.train_data = self.task.train.to(self.dtype)
+        self.train_data = self.task.train_data().to(self.dtype)
         strategy_type = strategy_for(config)
         self.shard = plan.shard_of(env.rank, env.replica)  # None: reads no data
         self.shards = plan.data_shards
@@ -93,7 +105,7 @@ class Trainer:
 
         self.step, self.samples_seen = 0, 0
         self.data_workers = 0  # what the input pipeline runs with (--data-workers auto: measured)
-        self.eval_data: TensorData | None = None
+        self.eval_data: TensorData | MapData | None = None
         self.learners: list[Learner] = []  # the update rules the strategy asked for (one, or a shard's)
         self.positions = {shard: Position() for shard in range(self.shards)}
         self.resumed_from: int | None = None
@@ -113,11 +125,12 @@ class Trainer:
         model = build_on_meta(self._build_plain) if on_meta else self._build_plain().to(env.device)
         weight_init = self._weight_init(model) if on_meta else "full"
         self._seed_rank_rngs()
+        sample_inputs = to_device(self.task.example_inputs(config.step_batch, self.dtype), env.device)
         self.strategy.setup(Setup(model=model, build_model=self._build_plain,
                                   make_learner=self._make_learner, loss_fn=self.task.loss_fn,
                                   total_steps=self.total_steps, start_step=self.step, global_batch=self.global_batch,
                                   weight_init=weight_init, full_weights=self._full_weights, tp_plan=self.task.tp_plan,
-                                  sample_inputs=self.task.example_inputs(config.step_batch, self.dtype).to(env.device),
+                                  sample_inputs=sample_inputs,
                                   ready=self.faults.ready))
         if found is not None:
             self._restore(*found)
@@ -167,7 +180,8 @@ class Trainer:
         streamed = isinstance(self.train_data, ParquetData)
         if config.data.data_workers == 0 and self.task.transform is None and not streamed:
             return ShardLoader(self.train_data, position=self.positions[shard], **plain)
-        loader_type = ParquetLoader if streamed else PipelineLoader
+        loader_type = ParquetLoader if streamed else DatasetLoader if isinstance(self.train_data, MapData) \
+            else PipelineLoader
         # One cache per process (ranks that read the same shard, under tp or pipeline, keep their own),
         # valid for this task, its options and dtype only.
         cache_dir = self.run_dir.data_cache(self.env.member)
@@ -302,7 +316,7 @@ class Trainer:
             return None
         inputs, targets = next(self.loader)
         device = self.env.device
-        inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        inputs, targets = to_device(inputs, device, non_blocking=True), to_device(targets, device, non_blocking=True)
         return Batch(inputs, targets, self.loader.position, start, (now() - start) * 1e3, self.loader.last_ids)
 
     def _jump(self, start: StepStart) -> None:
@@ -412,6 +426,9 @@ class Trainer:
         report: dict[str, Any] = {"workers": self.data_workers, "prefetch": self.config.data.data_prefetch,
                                   "cache": self.config.data.data_cache, "transform": self.task.transform is not None,
                                   "source": "memory"}
+        if isinstance(self.train_data, MapData):
+            report.update(source="dataset", dataset=type(self.train_data.dataset).__name__,
+                          collate=type(self.task.collate).__name__ if self.task.collate else "stack")
         if isinstance(self.train_data, ParquetData):
             report.update(source="parquet", files=len(self.train_data.files),
                           row_groups=len(self.train_data.groups), rows=len(self.train_data))
@@ -420,24 +437,36 @@ class Trainer:
             report["cache_mb"] = round(cache.size_mb, 3)
         return report
 
-    def _eval_data(self) -> TensorData:
+    def _eval_data(self) -> TensorData | MapData:
         """The held-out split as the model sees it: transformed as the training samples are (once)."""
         if self.eval_data is None:
-            data = self.task.eval.to(self.dtype)
-            if self.task.transform is not None:
+            data = self.task.eval_data().to(self.dtype)
+            if self.task.transform is not None and isinstance(data, TensorData):
                 data = TensorData(torch.stack([self.task.transform(x) for x in data.inputs]), data.targets)
             self.eval_data = data
         return self.eval_data
 
     def evaluate(self, model: torch.nn.Module) -> dict[str, float]:
+        """Held-out metrics, in batches of ``EVAL_BATCH``. In-memory data: the task's metrics of all the
+        outputs at once. A Dataset's batches are collated as in training (padded per batch, so outputs of
+        two batches may not concatenate): the row-weighted mean of each batch's metrics (exact for means,
+        such as accuracy and loss; the same when the held-out split fits in one batch)."""
         data = self._eval_data()
         device = next(model.parameters()).device  # a split model is assembled on the CPU
         model.eval()
         with torch.no_grad():
-            outputs = concat([to_cpu(model(data.inputs[i:i + 1024].to(device)))
-                              for i in range(0, len(data), 1024)])
+            parts = [(to_cpu(call_model(model, to_device(inputs, device))), targets)
+                     for inputs, targets in _eval_batches(data)]
         model.train()
-        return self.task.metrics_fn(outputs, data.targets)
+        if isinstance(data, TensorData) or len(parts) == 1:
+            return self.task.metrics_fn(concat([out for out, _ in parts]), concat([t for _, t in parts]))
+        total, sums = 0, {}
+        for output, targets in parts:
+            n = rows(targets)
+            for key, value in self.task.metrics_fn(output, targets).items():
+                sums[key] = sums.get(key, 0.0) + value * n
+            total += n
+        return {key: value / total for key, value in sums.items()}
 
     def _finish(self) -> dict[str, Any]:
         """The report's shared rows (collectives among record keepers), then on the rank that holds the

@@ -33,13 +33,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.utils import _pytree as pytree
 
 from mlscale.config import PipelineOptions, TrainConfig
-from mlscale.errors import UsageError
+from mlscale.data.batches import take, to_device
+from mlscale.data.dataset import MapData
+from mlscale.errors import MlscaleError, UsageError
 from mlscale.train.dist import all_gather_rows, receive_state, send_state
 from mlscale.train.memory import state_memory
 from mlscale.train.plan import MeshDims
-from mlscale.train.stages import SplitModel, StagePlan, plan_stages, retie, split_model
+from mlscale.train.stages import SplitModel, StagePlan, plan_stages, retie, split_model, stage_call
 from mlscale.train.state import OneModuleState, assemble, release
 from mlscale.train.strategy import Batch, Learner, Setup, StepResult, StepRow, Strategy
 from mlscale.train.timing import StepTimes, now
@@ -104,7 +107,7 @@ class PipelineStrategy(OneModuleState, Strategy):
         task = make_task(config.task, config.task_options)
         dtype = getattr(torch, config.compute.dtype)
         sample = task.example_inputs(config.step_batch // config.pipeline.microbatches, dtype)
-        split_model(model.to(dtype), plan, sample.to("meta"))  # in the job's dtype, as the workers trace it
+        split_model(model.to(dtype), plan, to_device(sample, "meta"))  # in the job's dtype, as the workers trace it
 
     @property
     def simulates_compute(self) -> bool:
@@ -126,7 +129,8 @@ class PipelineStrategy(OneModuleState, Strategy):
         self.control = dist.new_group(backend="gloo", timeout=timedelta(seconds=config.recovery.collective_timeout_s))
         assert setup.sample_inputs is not None, "the trainer gives example inputs to trace the model on"
         self.plan: StagePlan = plan_stages(setup.model, self.stages, config.pipeline.split_points)
-        sample = setup.sample_inputs[:config.step_batch // self.microbatches]
+        sample = take(setup.sample_inputs, slice(0, config.step_batch // self.microbatches))
+        self.traced = {key: tensor.shape[1:] for key, tensor in _named_leaves(sample)}
         self.split: SplitModel = split_model(setup.model, self.plan, sample)
         if env.is_main:
             print(f"mlscale: pipeline of {self.stages} stages x {self.shards} replica(s), {self.microbatches} "
@@ -170,7 +174,9 @@ class PipelineStrategy(OneModuleState, Strategy):
         losses: list[torch.Tensor] = []
         with self.learner.autocast():
             if self.first:
-                self.schedule.step(batch.inputs)
+                self._check_shapes(batch.inputs)
+                args, kwargs = stage_call(batch.inputs)
+                self.schedule.step(*args, **kwargs)
             elif self.last:
                 self.schedule.step(target=batch.targets, losses=losses)
             else:
@@ -189,6 +195,32 @@ class PipelineStrategy(OneModuleState, Strategy):
         self.steps_done += 1
         return StepResult(step=self.steps_done, done=self.steps_done >= self.total_steps, samples=self.global_batch,
                           rows=[row], positions=dict.fromkeys(range(self.shards), batch.position))
+
+    @staticmethod
+    def check_fixed_shapes(data: MapData) -> None:
+        """Before any process starts: a Dataset whose batches change shape past the batch dimension (a few
+        samples collated alone differ) cannot feed a pipeline (``_check_shapes``)."""
+        seen: dict[str, tuple[int, list[int]]] = {}
+        for index in sorted({*range(min(8, len(data))), len(data) // 2, len(data) - 1}):
+            for key, tensor in _named_leaves(data.batch([index])[0]):
+                first, shape = seen.setdefault(key, (index, list(tensor.shape[1:])))
+                if list(tensor.shape[1:]) != shape:
+                    raise UsageError(f"--strategy pipeline: input {key} changes shape from batch to batch (sample "
+                                     f"{first} alone: [1, {', '.join(map(str, shape))}], sample {index}: "
+                                     f"{list(tensor.shape)}); pipeline stages exchange fixed shapes: pad every batch "
+                                     "to one length (the task's collate: mlscale.PadCollate(length=N))")
+
+    def _check_shapes(self, inputs: Any) -> None:
+        """Stages exchange tensors of the shapes they were traced with (their receive buffers are made
+        from them): a batch whose inputs differ past the batch dimension (text padded to each batch's
+        longest) is refused in one line that says how to pad."""
+        for key, tensor in _named_leaves(inputs):
+            traced = self.traced.get(key)
+            if traced is not None and tensor.shape[1:] != traced:
+                raise MlscaleError(f"--strategy pipeline: input {key} of this batch is {list(tensor.shape)}, but the "
+                                   f"stages were traced on [-1, {', '.join(map(str, traced))}]; pipeline stages "
+                                   "exchange fixed shapes: pad every batch to one length (the task's collate: "
+                                   "mlscale.PadCollate(length=N))")
 
     def _sync_gradients(self) -> None:
         """A tied weight's copies get the sum of their gradients (the unsplit model accumulates both uses
@@ -240,6 +272,12 @@ class PipelineStrategy(OneModuleState, Strategy):
                              "stage_params": self.split.stage_params,
                              "tied": [list(tie.names) for tie in self.split.ties],
                              "ideal_bubble": (self.stages - 1) / (self.microbatches + self.stages - 1)}}
+
+
+def _named_leaves(tree: Any) -> list[tuple[str, torch.Tensor]]:
+    flat, _ = pytree.tree_flatten_with_path(tree)
+    return [(".".join(str(getattr(key, "key", getattr(key, "idx", key))) for key in path) or "inputs", leaf)
+            for path, leaf in flat if isinstance(leaf, torch.Tensor)]
 
 
 def _simulated(output: Any, forward_s: float, backward_s: float) -> Any:

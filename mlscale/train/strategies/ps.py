@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from mlscale.config import PSOptions, TrainConfig
+from mlscale.data.batches import call_model, rows
 from mlscale.errors import UsageError
 from mlscale.train.checkpoint import TrainState
 from mlscale.train.dist import receive_state, send_state
@@ -133,7 +134,7 @@ class ParameterServerStrategy(Strategy):
 
     def _worker_step(self, batch: Batch) -> StepResult:
         with self.learner.autocast():
-            loss = self.loss_fn(self.model(batch.inputs), batch.targets)  # already on the device
+            loss = self.loss_fn(call_model(self.model, batch.inputs), batch.targets)  # already on the device
         self.learner.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self._synchronize()  # on a GPU, compute ends when its kernels have run, not when they were queued
@@ -141,7 +142,7 @@ class ParameterServerStrategy(Strategy):
         compute_ms = (pushed - batch.started) * 1e3 - batch.data_ms
         header = Header(clock=self.clock, version=self.version, epoch=batch.position.epoch,
                         offset=batch.position.offset, loss=loss.item(), compute_ms=compute_ms,
-                        data_ms=batch.data_ms, comm_ms=self.last_comm_ms, samples=len(batch.inputs))
+                        data_ms=batch.data_ms, comm_ms=self.last_comm_ms, samples=rows(batch.inputs))
         dist.send(header.encode(), dst=0, group=self.control)
         sends = [dist.isend(self._gradients(server), dst=server) for server in range(self.servers)]
         reply = Reply.receive(self.control)

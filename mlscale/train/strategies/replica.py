@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from mlscale.data.batches import call_model, chunk
 from mlscale.train.dist import all_gather_floats
 from mlscale.train.materialize import materialize
 from mlscale.train.memory import SavedActivations, state_memory
@@ -59,14 +60,14 @@ class ReplicaStrategy(OneModuleState, Strategy):
     def step(self, batch: Batch | None) -> StepResult:
         assert batch is not None, f"every {self.name} rank reads data"
         micro = self.config.grad_accum  # --grad-accum K: K micro-steps of --batch-size, synchronised once
-        inputs, targets = batch.inputs.chunk(micro), batch.targets.chunk(micro)  # already on the device
+        inputs, targets = chunk(batch.inputs, micro), chunk(batch.targets, micro)  # already on the device
         losses = []
         for i in range(micro):
             # The first step also measures what autograd keeps for backward (the activations).
             saved = SavedActivations(self.module.parameters()) if self.activations_mb is None else None
             with self.synchronising(i == micro - 1):
                 with self.learner.autocast(), saved or contextlib.nullcontext():
-                    loss = self.loss_fn(self.module(inputs[i]), targets[i])
+                    loss = self.loss_fn(call_model(self.module, inputs[i]), targets[i])
                 self.learner.backward(loss / micro if micro > 1 else loss, accumulate=i > 0)
             if saved is not None:
                 self.activations_mb = saved.mb

@@ -1,0 +1,126 @@
+"""Collate functions: a list of ``(inputs, target)`` items into one batch ``(inputs, targets)``.
+
+``stack`` is the default (every item's tensors the same shape, stacked on a new first dimension, as
+torch's ``default_collate`` does). ``PadCollate`` is for samples of different lengths (text): each
+tensor is padded along its first dimension to the batch's longest (or to a fixed ``length``, which a
+pipeline's stages need: they exchange tensors of the shapes they were traced with), on the side and
+with the value asked, and makes an attention mask when asked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+from torch.utils.data import default_collate
+
+from mlscale.data.batches import Tree
+
+
+def _as_tuple(tree: Tree) -> Tree:
+    """``default_collate`` returns a list for a tuple of tensors: a tuple again, as the items had it."""
+    return tuple(tree) if isinstance(tree, list) else tree
+
+
+def split_items(items: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+    """The items' inputs and targets, apart; an item that is not an ``(inputs, target)`` pair is refused."""
+    inputs, targets = [], []
+    for item in items:
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise TypeError(f"an item must be an (inputs, target) pair, not {_kind(item)}")
+        inputs.append(item[0])
+        targets.append(item[1])
+    return inputs, targets
+
+
+def _kind(item: Any) -> str:
+    if isinstance(item, (tuple, list)):
+        return f"a {type(item).__name__} of {len(item)}"
+    return f"a {type(item).__name__}"
+
+
+def stack(items: Sequence[Any]) -> tuple[Tree, Tree]:
+    """Every item's tensors stacked on a new first dimension (dicts by key, tuples by position)."""
+    inputs, targets = split_items(items)
+    return _as_tuple(default_collate(inputs)), _as_tuple(default_collate(targets))
+
+
+@dataclass(frozen=True)
+class PadCollate:
+    """Pad variable-length samples to one length per batch.
+
+    Every tensor of an item's inputs (and of its target, when ``target_pad`` is given) is padded along its
+    first dimension to the longest in the batch (or to ``length``: samples longer than it are refused,
+    not cut), before (``side="left"``) or after (``"right"``) the sample, with ``pad_value`` (one value,
+    or one per input name). With ``mask`` set and dict inputs, a tensor of that name is added (unless the
+    items carry it): 1 where a sample has data, 0 where it was padded, from the first input's lengths.
+
+    ``PadCollate(mask="attention_mask")`` suits a Hugging Face encoder; ``target_pad=-100`` pads
+    token-level labels with the value ``cross_entropy`` ignores."""
+
+    pad_value: float | Mapping[str, float] = 0
+    side: Literal["right", "left"] = "right"
+    mask: str | None = None
+    length: int | None = None
+    target_pad: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.side not in ("right", "left"):
+            raise ValueError(f"PadCollate side must be 'right' or 'left', not {self.side!r}")
+        if self.length is not None and self.length < 1:
+            raise ValueError(f"PadCollate length must be at least 1, not {self.length}")
+
+    def __call__(self, items: Sequence[Any]) -> tuple[Tree, Tree]:
+        inputs, targets = split_items(items)
+        first = inputs[0]
+        if isinstance(first, Mapping):
+            batch: Tree = {key: self._pad([item[key] for item in inputs], self._value(key)) for key in first}
+            if self.mask is not None and self.mask not in batch:
+                lengths = [len(torch.as_tensor(item[next(iter(first))])) for item in inputs]
+                batch[self.mask] = self._mask(lengths)
+        elif self.mask is not None:
+            raise TypeError(f"PadCollate(mask={self.mask!r}) makes a named input: the items' inputs must be a dict")
+        elif isinstance(first, (tuple, list)):
+            batch = tuple(self._pad([item[i] for item in inputs], self._value(i)) for i in range(len(first)))
+        else:
+            batch = self._pad(inputs, self._value(None))
+        if self.target_pad is None:
+            return batch, _as_tuple(default_collate(targets))
+        return batch, self._pad_tree(targets, self.target_pad)
+
+    def _value(self, key: str | int | None) -> float:
+        if isinstance(self.pad_value, Mapping):
+            return float(self.pad_value.get(key, 0)) if isinstance(key, str) else 0.0
+        return float(self.pad_value)
+
+    def _pad_tree(self, items: list[Any], value: float) -> Tree:
+        if isinstance(items[0], Mapping):
+            return {key: self._pad([item[key] for item in items], value) for key in items[0]}
+        return self._pad(items, value)
+
+    def _pad(self, samples: list[Any], value: float) -> torch.Tensor:
+        tensors = [torch.as_tensor(sample) for sample in samples]
+        if tensors[0].dim() == 0:  # one number per sample: nothing to pad
+            return torch.stack(tensors)
+        longest = max(len(tensor) for tensor in tensors)
+        target = self.length if self.length is not None else longest
+        if longest > target:
+            raise ValueError(f"a sample of length {longest} is longer than PadCollate(length={target})")
+        padded = pad_sequence(tensors, batch_first=True, padding_value=value, padding_side=self.side)
+        if padded.shape[1] < target:
+            extra = torch.full((len(tensors), target - padded.shape[1], *padded.shape[2:]), value, dtype=padded.dtype)
+            padded = torch.cat([padded, extra] if self.side == "right" else [extra, padded], dim=1)
+        return padded
+
+    def _mask(self, lengths: list[int]) -> torch.Tensor:
+        width = self.length if self.length is not None else max(lengths)
+        positions = torch.arange(width).expand(len(lengths), width)
+        sizes = torch.tensor(lengths).unsqueeze(1)
+        present = positions < sizes if self.side == "right" else positions >= width - sizes
+        return present.long()
+
+
+__all__ = ["PadCollate", "split_items", "stack"]

@@ -1,0 +1,154 @@
+"""A user's map-style ``torch.utils.data.Dataset`` as mlscale's loaders read it.
+
+Any object with ``__len__`` and ``__getitem__`` whose item ``i`` is ``(inputs, target)``: ``inputs`` a
+tensor, a tuple of tensors or a dict of tensors, ``target`` a tensor (or a number) or a dict of them.
+``MapData`` reads items by data-set index and collates them into batches with the task's collate
+(default: ``stack``); the loaders pick the indices (``sampler.shard_indices``), so the sharding contract
+is the same as for in-memory tensors. A failure reading or collating names the sample index and the
+user's exception in one line (``SampleError``), also from a DataLoader worker process.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import Dataset
+
+from mlscale.data.batches import Tree, cast_floats
+from mlscale.data.collate import split_items, stack
+from mlscale.errors import MlscaleError, UsageError, first_line
+
+Collate = Callable[[list[Any]], tuple[Tree, Tree]]
+
+
+class SampleError(MlscaleError):
+    """Reading or collating samples of the user's Dataset failed; the message names the sample(s).
+
+    Raised in a DataLoader worker it reaches the training process as ``SampleError`` again, its message
+    wrapped in torch's worker traceback: ``message_of`` takes the line back out."""
+
+
+_WRAPPED = re.compile(r"(?:^|\n)(?:[\w.]+\.)?SampleError: (.+?)\s*$")
+
+
+def message_of(exc: BaseException) -> str:
+    """The one line a ``SampleError`` was raised with, also when torch's DataLoader re-raised it from a
+    worker (its text then holds the worker's whole traceback, ending in that line)."""
+    text = str(exc)
+    found = _WRAPPED.search(text)
+    return found.group(1) if found else first_line(text)
+
+
+def _mistake(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {first_line(exc)}"
+
+
+class MapData:
+    """Batches of a map-style Dataset: items by index, collated, floats cast to ``dtype``."""
+
+    def __init__(self, dataset: Dataset[Any], collate: Collate | None = None, dtype: torch.dtype | None = None,
+                 name: str = "the training Dataset") -> None:
+        self.dataset, self.collate_fn, self.dtype, self.name = dataset, collate, dtype, name
+        try:
+            self.size = len(dataset)  # type: ignore[arg-type]
+        except TypeError:
+            raise UsageError(f"{name} ({type(dataset).__name__}) has no __len__: mlscale shards a map-style "
+                             "Dataset by index and needs its size") from None
+
+    def __len__(self) -> int:
+        return self.size
+
+    def to(self, dtype: torch.dtype) -> MapData:
+        return MapData(self.dataset, self.collate_fn, dtype, self.name)
+
+    def item(self, index: int) -> Any:
+        """Item ``index`` as ``__getitem__`` gives it; any failure is a ``SampleError`` naming the index."""
+        try:
+            item = self.dataset[index]
+        except IndexError as exc:
+            raise SampleError(f"sample {index} of {self.name}: __getitem__ raised IndexError ({first_line(exc)}) "
+                              f"although __len__ says {self.size:,} samples") from None
+        except Exception as exc:
+            raise SampleError(f"sample {index} of {self.name}: {_mistake(exc)}") from None
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            kind = f"a {type(item).__name__}" + (f" of {len(item)}" if isinstance(item, (tuple, list)) else "")
+            raise SampleError(f"sample {index} of {self.name} is {kind}; an item must be an (inputs, target) pair: "
+                              "inputs a tensor, a tuple or a dict of tensors, target a tensor or a dict of them")
+        return item
+
+    def collate(self, items: list[Any], indices: Sequence[int] = ()) -> tuple[Tree, Tree]:
+        """``items`` as one batch ``(inputs, targets)``, with the task's collate (else stacked)."""
+        try:
+            inputs, targets = (self.collate_fn or stack)(items)
+        except Exception as exc:
+            where = f"samples {span(indices)} of {self.name}" if indices else f"a batch of {self.name}"
+            if self.collate_fn is None and isinstance(exc, RuntimeError) and "equal size" in str(exc):
+                raise SampleError(f"{where} cannot be stacked into one batch ({first_line(exc)}): samples of "
+                                  "different lengths need a collate; give the task collate=mlscale.PadCollate(...)"
+                                  ) from None
+            raise SampleError(f"{where}: the collate failed: {_mistake(exc)}") from None
+        return (cast_floats(inputs, self.dtype), cast_floats(targets, self.dtype)) if self.dtype else (inputs, targets)
+
+    def batch(self, indices: torch.Tensor | Sequence[int]) -> tuple[Tree, Tree]:
+        chosen = [int(i) for i in indices]
+        return self.collate([self.item(i) for i in chosen], chosen)
+
+    def check(self) -> None:
+        """What can be seen before training: a size, a first and a last item that are ``(inputs, target)``
+        pairs, and a collate that takes them. Raises ``UsageError`` (exit 2)."""
+        if self.size == 0:
+            raise UsageError(f"{self.name} is empty (__len__ is 0)")
+        try:
+            ends = sorted({0, self.size - 1})
+            self.batch(ends)
+            split_items([self.item(i) for i in ends])
+        except SampleError as exc:
+            raise UsageError(str(exc)) from None
+
+
+def span(indices: Sequence[int]) -> str:
+    shown = ", ".join(str(i) for i in list(indices)[:8])
+    return f"[{shown}{', ...' if len(indices) > 8 else ''}]"
+
+
+class Items(Dataset[Any]):
+    """``MapData``'s items by index, for a torch ``DataLoader`` (in its worker processes): read through
+    ``cache`` when there is one (``item_cache.ItemCache``)."""
+
+    def __init__(self, data: MapData, cache: Any = None) -> None:
+        self.data, self.cache = data, cache
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> tuple[int, Any]:
+        if self.cache is not None:
+            found = self.cache.get(index)
+            if found is not None:
+                return index, found
+        item = self.data.item(index)
+        if self.cache is not None:
+            self.cache.put(index, item)
+        return index, item
+
+
+class CollateIndexed:
+    """The DataLoader's collate for ``Items``: the batch's ``(index, item)`` pairs through
+    ``MapData.collate``, which names the samples when it fails."""
+
+    def __init__(self, data: MapData) -> None:
+        self.data = data
+
+    def __call__(self, indexed: list[tuple[int, Any]]) -> tuple[Tree, Tree]:
+        return self.data.collate([item for _, item in indexed], [index for index, _ in indexed])
+
+
+def is_map_dataset(source: Any) -> bool:
+    """A user's Dataset (anything indexable with a size that is not one of mlscale's own data forms)."""
+    return hasattr(source, "__getitem__") and hasattr(source, "__len__") and not isinstance(source, torch.Tensor)
+
+
+__all__ = ["Collate", "CollateIndexed", "Items", "MapData", "SampleError", "is_map_dataset", "message_of", "span"]
