@@ -299,7 +299,7 @@ class RecordsOptions(Options):
         False, "write the data set indices each rank trains, one JSON line a step, to RUN_DIR/sample_ids/rankR.jsonl "
         '({"step", "attempt", "ids"}: a step redone after a restart or a resume appears again with a higher '
         "attempt, and the later one counts): proof that every sample of an epoch was trained once",
-        only={"strategy": ("ddp", "fsdp"), "fault_tolerance": ("restart",)})
+        only={"strategy": ("ddp", "fsdp", "tp", "pipeline"), "fault_tolerance": ("restart",)})
     warmup_steps_for_throughput: int = option(5, "steps left out of samples/s (warm-up)", ge=0, metavar="K")
     straggler_threshold: float = option(
         1.5, "flag a rank whose compute + data wait is X times the fastest rank's", gt=1, metavar="X")

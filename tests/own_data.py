@@ -69,3 +69,41 @@ def sentences(samples: int = 160, layers: int = 4, length: int = 0, side: str = 
     return Task(name="sentences", build_model=lambda: Classifier(layers=layers), train=Sentences(samples, seed=1),
                 eval=Sentences(40, seed=2), collate=collate,
                 tp_plan={"blocks.*.up": "colwise", "blocks.*.down": "rowwise"})
+
+
+class Broken(Sentences):
+    """``Sentences`` with one mistake a user makes (``mistake``), at sample ``at`` where it is one sample's."""
+
+    def __init__(self, mistake: str, at: int, size: int = 160) -> None:
+        super().__init__(size, seed=1)
+        self.mistake, self.at = mistake, at
+
+    def __len__(self) -> int:
+        return len(self.ids) + (5 if self.mistake == "long_len" else 0)
+
+    def __getitem__(self, index: int):
+        inputs, label = super().__getitem__(index)  # long_len: IndexError past the real samples
+        if self.mistake == "not_a_pair":
+            return inputs
+        if self.mistake == "unknown_key":
+            return {**inputs, "token_type_ids": inputs["input_ids"] * 0}, label
+        if index == self.at and self.mistake == "raises":
+            raise ValueError(f"cannot decode record {index}")
+        if index == self.at and self.mistake == "dies":
+            import os
+
+            os._exit(3)  # the worker process dies as a segfault in a decoder would end it
+        return inputs, label
+
+
+@declare_task
+def broken(mistake: str = "raises", at: int = 37, collate: bool = True) -> Task:
+    """``sentences`` whose Dataset makes ``mistake``: not_a_pair, unknown_key, long_len (``__len__`` says 5
+    more than ``__getitem__`` serves), raises (``ValueError`` at sample ``at``), dies (the process reading
+    sample ``at`` exits); ``collate=False``: no collate, so samples of different lengths cannot be stacked."""
+    task = sentences()
+    task.train = Broken(mistake, at)
+    task.collate = task.collate if collate else None
+    if not collate:
+        task.eval = Sentences(40, seed=2)
+    return task

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, get_worker_info
 
 from mlscale.data.batches import Tree, cast_floats
 from mlscale.data.collate import split_items, stack
@@ -114,25 +114,45 @@ def span(indices: Sequence[int]) -> str:
     return f"[{shown}{', ...' if len(indices) > 8 else ''}]"
 
 
+MAX_WORKERS = 256
+
+
 class Items(Dataset[Any]):
     """``MapData``'s items by index, for a torch ``DataLoader`` (in its worker processes): read through
-    ``cache`` when there is one (``item_cache.ItemCache``)."""
+    ``cache`` when there is one (``item_cache.ItemCache``). Each worker notes in shared memory the index it
+    is reading (``reading``), so that a worker process that dies in the user's code (a decoder's
+    segfault) is reported with the sample it died on."""
 
     def __init__(self, data: MapData, cache: Any = None) -> None:
         self.data, self.cache = data, cache
+        self.reading = torch.full((MAX_WORKERS,), -1, dtype=torch.int64).share_memory_()
 
     def __len__(self) -> int:
         return len(self.data)
 
     def __getitem__(self, index: int) -> tuple[int, Any]:
+        worker = get_worker_info()
+        slot = worker.id % MAX_WORKERS if worker is not None else None
+        if slot is not None:
+            self.reading[slot] = index
+        try:
+            return index, self._read(index)
+        finally:  # a Python exception is reported as itself; only a process that died leaves its index
+            if slot is not None:
+                self.reading[slot] = -1
+
+    def _read(self, index: int) -> Any:
         if self.cache is not None:
             found = self.cache.get(index)
             if found is not None:
-                return index, found
+                return found
         item = self.data.item(index)
-        if self.cache is not None:
-            self.cache.put(index, item)
-        return index, item
+        # As the cache will give it back (numbers as tensors), so that a batch of fresh and cached items collates
+        return self.cache.put(index, item) if self.cache is not None else item
+
+    def in_flight(self) -> list[int]:
+        """The indices worker processes were reading and have not finished (one, for a worker that died)."""
+        return [int(i) for i in self.reading.tolist() if i >= 0]
 
 
 class CollateIndexed:

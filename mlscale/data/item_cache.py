@@ -47,7 +47,8 @@ class ItemCache:
         spec = pytree.treespec_loads(json.loads(tensors.pop("__spec__").numpy().tobytes().decode()))
         return pytree.tree_unflatten([tensors[str(i)] for i in range(len(tensors))], spec)
 
-    def put(self, index: int, item: Any) -> None:
+    def put(self, index: int, item: Any) -> Any:
+        """Keep ``item``; returns it as ``get`` will (every leaf a tensor)."""
         flat, spec = pytree.tree_flatten(item)
         tensors: dict[str, torch.Tensor] = {}
         for position, leaf in enumerate(flat):
@@ -61,6 +62,7 @@ class ItemCache:
         with os.fdopen(handle, "wb") as out:
             out.write(save(tensors))
         os.replace(temporary, self._path(index))
+        return pytree.tree_unflatten([tensors[str(i)] for i in range(len(flat))], spec)
 
     @property
     def size_mb(self) -> float:

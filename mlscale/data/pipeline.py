@@ -186,8 +186,11 @@ class StreamLoader:
         except RuntimeError as exc:
             if "DataLoader worker" not in str(exc):
                 raise
+            reading = self.samples.in_flight() if isinstance(self.samples, Items) else []
             ids = getattr(self._batches, "ids", None)
-            samples = f" while loading samples {span(ids[0].tolist())}" if ids else ""
+            samples = f" while reading sample {reading[0]}" if len(reading) == 1 else \
+                f" while reading one of samples {span(reading)}" if reading else \
+                f" while loading samples {span(ids[0].tolist())}" if ids else ""
             raise SampleError(f"a data-loading worker process died{samples}: {first_line(exc)}") from None
         self.position = self._batches.positions.popleft()  # batches come back in the sampler's order
         ids = getattr(self._batches, "ids", None)  # a plan that knows its rows' indices (in-memory data)

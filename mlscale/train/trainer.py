@@ -145,7 +145,10 @@ class Trainer:
         self.sample_ids: SampleIdLog | None = None
         if config.records.log_sample_ids:
             attempt = agreed_attempt(run_dir, env.rank, env.world_size, env.device)
-            self.sample_ids = SampleIdLog(run_dir, env.rank, attempt) if self.shard is not None else None
+            # One writer per data shard: the first rank reading it (tensor-parallel peers and pipeline stages
+            # of a replica train the same batch).
+            first = self.shard is not None and plan.rank_shards.index(plan.rank_shards[env.rank]) == env.rank
+            self.sample_ids = SampleIdLog(run_dir, env.rank, attempt) if first else None
 
     def _build_plain(self) -> torch.nn.Module:
         return self.task.build_model().to(dtype=self.dtype)
