@@ -83,6 +83,7 @@ def test_every_marked_readme_block_runs_as_written(tmp_path):
     assert llama["world_size"] == 4 and llama["workers"] == 2  # 2 data shards x 2 tensor-parallel ranks
     assert (tmp_path / "runs/llama-pipeline/report.json").exists()
     assert "v2 (canary)" in out and "digits v2: every check passed" in out  # the rollout's comparison
+    assert "160 samples trained, 160 distinct: each once" in out  # your own data: killed, resumed on 3 workers
 
 
 def _group(pgid: int) -> str:

@@ -48,5 +48,5 @@ def test_the_latest_attempt_of_a_step_counts():
 
 
 def test_sample_ids_under_a_strategy_that_does_not_log_them_yet_is_one_line():
-    result = refused("train", "--task", "digits", "--strategy", "pipeline", "--workers", "2", "--log-sample-ids")
+    result = refused("train", "--task", "digits", "--strategy", "ps", "--workers", "2", "--log-sample-ids")
     assert result.returncode == 2 and "log-sample-ids" in result.stderr and len(result.stderr.splitlines()) == 1
