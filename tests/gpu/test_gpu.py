@@ -108,3 +108,16 @@ def test_serving_workers_scale_with_the_cores_of_a_big_host(tmp_path):
     print(result.stdout)  # the figures, for the session's note
     scaling = json.loads((tmp_path / "serve-scale.json").read_text())["scaling"]["mlscale"]
     assert scaling["4"]["goodput"] >= 0.8 * 4 * scaling["1"]["goodput"], scaling
+
+
+@one_gpu
+def test_a_dataset_of_dict_inputs_trains_on_cuda_with_data_workers_as_on_the_cpu(tmp_path):
+    """A user's Dataset (dict inputs of different lengths, padded per batch) through 2 DataLoader workers with
+    pinned memory onto the GPU: the same weights as the CPU run in float64."""
+    own = ["--task", "tests.own_data:sentences", "--dtype", "float64", "--steps", "6", "--batch-size", "16",
+           "--optimizer", "adam", "--lr", "3e-3", "--no-progress"]
+    for device in ("cpu", "cuda"):
+        result = run_cli("train", *own, "--device", device, "--data-workers", "2", "--run-dir", str(tmp_path / device),
+                         timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert max_abs_diff(final_weights(tmp_path / "cuda"), final_weights(tmp_path / "cpu")) <= 1e-9

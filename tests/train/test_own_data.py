@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import final_weights, max_abs_diff, run_cli
+from tests.helpers import final_weights, max_abs_diff, refused, run_cli
 
 pytestmark = pytest.mark.timeout(900)  # the module's runs are made once, by the first test that needs them
 
@@ -79,3 +79,29 @@ def test_plan_lays_out_a_dataset_task():
     assert result.returncode == 0, result.stderr[-2000:]
     rows = [line.split()[:2] for line in result.stdout.splitlines()]
     assert all(layout in rows for layout in (["ddp", "x2"], ["fsdp", "2"], ["tp", "2"], ["pipeline", "2"]))
+
+
+@pytest.mark.parametrize(("options", "says"), [
+    (["mistake=not_a_pair"], "sample 0 of the training Dataset is a dict; an item must be an (inputs, target) pair"),
+    (["mistake=unknown_key"], "the Dataset's inputs name 'token_type_ids', which Classifier.forward does not take"),
+    (["collate=false"], "cannot be stacked into one batch"),
+    (["mistake=long_len"], "__getitem__ raised IndexError (list index out of range) although __len__ says 165"),
+])
+def test_a_mistake_in_a_users_dataset_is_one_line_and_exit_2_before_anything_starts(options, says, tmp_path):
+    opts = [arg for option in options for arg in ("--task-opt", option)]
+    result = refused("train", "--task", "tests.own_data:broken", *opts, "--workers", "2", "--steps", "2",
+                     "--run-dir", str(tmp_path / "run"))
+    assert result.returncode == 2 and says in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(("mistake", "says"), [
+    ("raises", "sample 37 of the training Dataset: ValueError: cannot decode record 37"),
+    ("dies", "a data-loading worker process died while reading sample 37"),
+])
+def test_a_failure_while_training_names_the_rank_the_sample_and_the_exception(mistake, says, tmp_path):
+    result = run_cli("train", "--task", "tests.own_data:broken", "--task-opt", f"mistake={mistake}", "--workers", "2",
+                     "--batch-size", "8", "--steps", "12", "--data-workers", "1", "--no-progress",
+                     "--run-dir", str(tmp_path / "run"), timeout=240)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "worker rank" in result.stderr and says in result.stderr and "Traceback" not in result.stderr
