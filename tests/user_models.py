@@ -13,6 +13,9 @@ or a loss around a Hugging Face model), which returns the logits as a plain tens
 
 - ``seqfirst``: blocks written sequence-first that hand their output back transposed (a view), so what one
   pipeline stage sends the next is not contiguous.
+- ``bert``: a BERT sentence classifier called ``model(input_ids=..., attention_mask=...)``, trained on a
+  ``Dataset`` of token-id sequences of different lengths padded by ``PadCollate`` (two inputs, a dynamic
+  sequence axis: what export and serving must carry by name).
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils.data import Dataset
 
-from mlscale import Task, TensorData, declare_task
+from mlscale import PadCollate, Task, TensorData, declare_task
 from mlscale.tasks.tinylm import ALPHABET, encode, make_corpus
 
 VOCAB = 32  # the tinylm alphabet (29 characters), rounded up
@@ -177,4 +181,45 @@ def seqfirst(dim: int = 16, layers: int = 4, seq_len: int = 16, samples: int = 2
                 loss_fn=logits_loss, metrics_fn=logits_metrics, info={"vocab": VOCAB, "seq_len": seq_len})
 
 
-__all__ = ["ALPHABET", "SeqFirstLM", "UsersLM", "cnn", "gpt2", "llama", "seqfirst"]
+class Sequences(Dataset):
+    """``size`` token-id sequences of 3 to ``longest`` ids (no 0: the padding id), labelled by their sum's
+    parity; made from ``seed`` alone."""
+
+    def __init__(self, size: int, longest: int, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        lengths = torch.randint(3, longest + 1, (size,), generator=generator)
+        self.ids = [torch.randint(1, VOCAB, (int(n),), generator=generator) for n in lengths]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int):
+        ids = self.ids[index]
+        return {"input_ids": ids}, int(ids.sum()) % 2
+
+
+@declare_task
+def bert(dim: int = 16, layers: int = 2, heads: int = 2, longest: int = 12, samples: int = 64) -> Task:
+    def build() -> nn.Module:
+        from transformers import BertConfig, BertForSequenceClassification
+
+        return BertForSequenceClassification(BertConfig(
+            vocab_size=VOCAB, hidden_size=dim, num_hidden_layers=layers, num_attention_heads=heads,
+            intermediate_size=2 * dim, max_position_embeddings=64, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0, num_labels=2, attn_implementation="eager"))
+
+    return Task(name="bert", build_model=build, train=Sequences(samples, longest, seed=1),
+                eval=Sequences(32, longest, seed=2), collate=PadCollate(mask="attention_mask"),
+                loss_fn=classifier_loss, metrics_fn=bert_metrics)
+
+
+def classifier_loss(output, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(output.logits, targets)
+
+
+def bert_metrics(output, targets: torch.Tensor) -> dict[str, float]:
+    return {"loss": classifier_loss(output, targets).item(),
+            "accuracy": (output.logits.argmax(1) == targets).double().mean().item()}
+
+
+__all__ = ["ALPHABET", "SeqFirstLM", "UsersLM", "bert", "cnn", "gpt2", "llama", "seqfirst"]
