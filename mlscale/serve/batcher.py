@@ -7,7 +7,8 @@ whose predicted cost fits in half the SLO, from a cost model ``cost(n) = a*n + b
 measured batch times; a request whose predicted completion would miss the SLO is refused
 at once (``Overloaded``) instead of queued, and ``LatencyGuard`` caps the requests in flight at what
 keeps the measured p99 under the SLO. A failing batch is retried one request at a time, so one bad
-request fails alone.
+request fails alone. Requests with inputs of different lengths are padded to the batch's longest or
+batched only with requests of their own shapes, as the model's signature allows (``batching.py``).
 """
 
 from __future__ import annotations
@@ -20,12 +21,14 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from mlscale.serve import tracing
+from mlscale.serve.batching import Batching, rows_of
 from mlscale.serve.metrics import ModelStats
-from mlscale.serve.runtime import Runtime
+from mlscale.serve.runtime import Inputs, Runtime
 
 # A batch predicted to take less than this runs on the event loop itself. Handing it to the worker
 # thread costs two GIL hand-offs, and under load those take longer than such a batch (digits at 2,000
@@ -59,15 +62,16 @@ class DeadlineExceeded(Exception):
 
 @dataclass
 class _Pending:
-    array: np.ndarray
+    array: Inputs
     future: asyncio.Future[np.ndarray]
     arrival: float
     deadline: float
     trace: tracing.RequestTrace | None = None
+    key: Any = None  # what decides which requests may share its batch (Batching.key)
 
     @property
     def rows(self) -> int:
-        return len(self.array)
+        return rows_of(self.array)
 
 
 @dataclass
@@ -160,16 +164,18 @@ class LatencyGuard:
 class DynamicBatcher:
     def __init__(self, runtime: Runtime, *, stats: ModelStats, max_batch_size: int, max_delay_s: float,
                  queue_limit: int, slo_s: float | None, timeout_s: float, inline: bool = True,
-                 instances: int = 1) -> None:
+                 instances: int = 1, batching: Batching | None = None) -> None:
         """``inline=False``: every batch runs on the execution thread, never on the event loop, so the
         loop can always answer a liveness probe while a model call runs (``--exec-timeout-s``).
         ``instances``: batches run at once, each on a thread of its own calling the one runtime (its
         weights shared: onnxruntime sessions and torch modules in inference mode may be called from
-        several threads); while they run, the next batch forms from what arrives."""
+        several threads); while they run, the next batch forms from what arrives. ``batching``: how
+        requests' inputs are put together (default: concatenated, every shape past the batch fixed)."""
         self.runtime, self.stats, self.instances = runtime, stats, instances
         self.max_batch_size, self.max_delay_s = max_batch_size, max_delay_s
         self.queue_limit, self.slo_s, self.timeout_s = queue_limit, slo_s, timeout_s
         self.inline = inline
+        self.batching = batching or Batching()
         self.cost_model = CostModel()
         self.guard = None if slo_s is None else LatencyGuard(
             slo_s, limit=min(queue_limit, 4 * max_batch_size), min_limit=min(queue_limit, max_batch_size),
@@ -232,11 +238,12 @@ class DynamicBatcher:
             if predicted > self.slo_s:
                 raise Overloaded(f"would finish in ~{predicted * 1e3:.0f} ms, past the {self.slo_s * 1e3:.0f} ms SLO")
 
-    async def submit(self, array: np.ndarray) -> np.ndarray:
-        self.admit(len(array))
+    async def submit(self, array: Inputs) -> np.ndarray:
+        self.admit(rows_of(array))
         now = time.perf_counter()
         trace = tracing.current.get()
-        pending = _Pending(array, asyncio.get_running_loop().create_future(), now, now + self.timeout_s, trace)
+        pending = _Pending(array, asyncio.get_running_loop().create_future(), now, now + self.timeout_s, trace,
+                           self.batching.key(array))
         if trace is not None:
             trace.enqueued = now
         self._queue.append(pending)
@@ -310,6 +317,8 @@ class DynamicBatcher:
     def _take_batch(self) -> list[_Pending]:
         target, now, batch, rows = self.batch_target(), time.perf_counter(), [], 0
         self.stats.batch_target.set(target)
+        selective = self.batching.mode != "concat"  # not every request may join every batch
+        left_out: list[_Pending] = []  # requests this batch may not take: first in line for the next
         while self._queue and (not batch or rows + self._queue[0].rows <= target):
             pending = self._queue.popleft()
             self._queued_rows -= pending.rows
@@ -318,16 +327,23 @@ class DynamicBatcher:
             if now > pending.deadline:
                 pending.future.set_exception(DeadlineExceeded(f"waited {now - pending.arrival:.3f} s in the queue"))
                 continue
+            if selective and batch and not self.batching.admits([p.key for p in batch], pending.key):
+                left_out.append(pending)
+                continue
             self.stats.queue.observe(now - pending.arrival)
             batch.append(pending)
             rows += pending.rows
+        for pending in reversed(left_out):
+            self._queue.appendleft(pending)
+            self._queued_rows += pending.rows
         self.stats.queue_depth.set(len(self._queue))
         return batch
 
-    async def _run(self, array: np.ndarray) -> np.ndarray:
+    async def _run(self, array: Inputs) -> np.ndarray:
         loop = asyncio.get_running_loop()
         start = time.perf_counter()
-        predicted = self.cost_model.cost(len(array))
+        rows = rows_of(array)
+        predicted = self.cost_model.cost(rows)
         self._busy_until = start + (predicted or 0.0)
         call = self._call_ids = self._call_ids + 1
         self._calls[call] = start
@@ -346,21 +362,20 @@ class DynamicBatcher:
             self._concurrent = self._concurrent or bool(self._queue)
         self.last_call = start, time.perf_counter()
         elapsed = self.last_elapsed = self.last_call[1] - start
-        self.cost_model.observe(len(array), elapsed)
+        self.cost_model.observe(rows, elapsed)
         self.executions += 1
         self.stats.executions.inc()
         self.stats.last_inference_ms = int(time.time() * 1e3)
         self.stats.compute.observe(elapsed)
-        self.stats.batch_size.observe(len(array))
-        self.stats.inferences.inc(len(array))
+        self.stats.batch_size.observe(rows)
+        self.stats.inferences.inc(rows)
         return output
 
     async def _execute(self, batch: list[_Pending]) -> None:
         dispatched = time.perf_counter()
         try:
             self._concurrent = len(batch) > 1
-            arrays = [p.array for p in batch]
-            output = await self._run(arrays[0] if len(arrays) == 1 else np.concatenate(arrays))
+            output = await self._run(self.batching.join([p.array for p in batch]))
         except Exception as exc:
             if len(batch) == 1:
                 _resolve(batch[0], exc=exc)
@@ -375,7 +390,7 @@ class DynamicBatcher:
         self._count_compute(len(batch))
         start = 0
         for pending in batch:
-            _resolve(pending, value=output[start:start + pending.rows])
+            _resolve(pending, value=self.batching.answer(output, start, pending.array))
             start += pending.rows
         if self.tracer is not None:  # after the answers: a tracing failure never strands a batch
             try:

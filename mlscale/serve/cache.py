@@ -21,14 +21,19 @@ from typing import Any
 import numpy as np
 
 
-def cache_key(content_id: str, array: np.ndarray, params: dict[str, Any] | None = None) -> bytes:
-    canonical = np.ascontiguousarray(array)
-    if canonical.dtype.kind == "f":
-        canonical = canonical + canonical.dtype.type(0)  # -0.0 -> 0.0
+def cache_key(content_id: str, array: np.ndarray | dict[str, np.ndarray],
+              params: dict[str, Any] | None = None) -> bytes:
+    """The key of an input (one array, or one per input name in the signature's order) and parameters."""
     digest = hashlib.sha256()
     digest.update(content_id.encode())
-    digest.update(f"|{canonical.dtype.str}|{canonical.shape}|".encode())
-    digest.update(canonical.tobytes())
+    for name, value in (array.items() if isinstance(array, dict) else [(None, array)]):
+        canonical = np.ascontiguousarray(value)
+        if canonical.dtype.kind == "f":
+            canonical = canonical + canonical.dtype.type(0)  # -0.0 -> 0.0
+        if name is not None:
+            digest.update(f"|{name}".encode())
+        digest.update(f"|{canonical.dtype.str}|{canonical.shape}|".encode())
+        digest.update(canonical.tobytes())
     digest.update(json.dumps(params or {}, sort_keys=True, default=str).encode())
     return digest.digest()
 

@@ -28,6 +28,7 @@ from mlscale.serve.metrics import ServerMetrics
 from mlscale.serve.models import ModelSlot, ServedModel
 from mlscale.serve.protocol import BadRequest
 from mlscale.serve.rollout import Shadow, TrafficSplit
+from mlscale.serve.runtime import Inputs
 
 log = logging.getLogger("mlscale.serve")
 T = TypeVar("T")
@@ -232,7 +233,7 @@ class ServerState:
         raise HTTPError(404, f"unknown {what} (serving: {known})")
 
 
-async def run_inference(state: ServerState, served: ServedModel, array: np.ndarray, params: dict[str, Any],
+async def run_inference(state: ServerState, served: ServedModel, array: Inputs, params: dict[str, Any],
                         start: float) -> tuple[np.ndarray, ServedModel]:
     """The output and the version that computed it (which the response must name). ``start``: when the
     request's handling began, less the event loop's lag then (its wait before any handler ran)."""
@@ -251,7 +252,7 @@ async def run_inference(state: ServerState, served: ServedModel, array: np.ndarr
     return output, served
 
 
-async def _predict_once(state: ServerState, served: ServedModel, array: np.ndarray, params: dict[str, Any],
+async def _predict_once(state: ServerState, served: ServedModel, array: Inputs, params: dict[str, Any],
                         start: float) -> np.ndarray:
     stats = served.stats
     try:

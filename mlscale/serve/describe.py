@@ -42,7 +42,7 @@ def tensor_metadata(spec: TensorSpec) -> dict[str, Any]:
 def model_metadata(state: ServerState, served: ServedModel) -> dict[str, Any]:
     versions = sorted(str(s.current.number) for s in state.slots if s.current and s.current.name == served.name)
     return {"name": served.name, "versions": versions, "platform": platform(served),
-            "inputs": [tensor_metadata(served.input)], "outputs": [tensor_metadata(served.output)]}
+            "inputs": [tensor_metadata(spec) for spec in served.inputs], "outputs": [tensor_metadata(served.output)]}
 
 
 def _config_tensor(spec: TensorSpec) -> dict[str, Any]:
@@ -55,7 +55,7 @@ def model_config(served: ServedModel) -> dict[str, Any]:
     options = served.options
     return {"name": served.name, "platform": platform(served), "backend": BACKENDS[served.runtime.kind][1],
             "max_batch_size": options.max_batch_size,
-            "input": [_config_tensor(served.input)], "output": [_config_tensor(served.output)],
+            "input": [_config_tensor(spec) for spec in served.inputs], "output": [_config_tensor(served.output)],
             "dynamic_batching": {"preferred_batch_size": [options.max_batch_size],
                                  "max_queue_delay_microseconds": int(options.max_delay_ms * 1000)}}
 

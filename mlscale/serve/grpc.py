@@ -44,10 +44,12 @@ from mlscale.serve.protocol import (
     array_from_bytes,
     array_to_bytes,
     as_array,
-    check_input,
+    by_signature,
+    check_inputs,
     check_outputs,
     output_datatype,
 )
+from mlscale.serve.runtime import Inputs, TensorSpec
 
 log = logging.getLogger("mlscale.serve")
 SERVICE = "inference.GRPCInferenceService"  # the protocol's name for it on the wire
@@ -66,15 +68,26 @@ def _parameters(entries: Any) -> dict[str, Any]:
     return answer_parameters(values)
 
 
-def parse_infer(request: pb.ModelInferRequest, served: ServedModel) -> np.ndarray:
-    spec = served.input
-    tensor = request.inputs[0] if request.inputs else pb.ModelInferRequest.InferInputTensor()
-    shape = check_input(spec, tensor.name, tensor.datatype, list(tensor.shape), len(request.inputs))
+def parse_infer(request: pb.ModelInferRequest, served: ServedModel) -> Inputs:
+    """The request's inputs: one array for a model of one input, else a dict by name (every input given,
+    as raw_input_contents entries in the order of ``inputs``, or as typed contents)."""
+    tensors = list(request.inputs)
+    checked = check_inputs(served.inputs, [(t.name, t.datatype, list(t.shape)) for t in tensors])
     check_outputs(served.output, [output.name for output in request.outputs])
     if request.raw_input_contents:
-        if len(request.raw_input_contents) != 1 or tensor.HasField("contents"):
-            raise BadRequest("give the input as one raw_input_contents entry or as typed contents, not both")
-        return array_from_bytes(request.raw_input_contents[0], spec, shape)
+        if len(request.raw_input_contents) != len(checked) or any(t.HasField("contents") for t in tensors):
+            if len(checked) == 1:
+                raise BadRequest("give the input as one raw_input_contents entry or as typed contents, not both")
+            raise BadRequest("give the inputs as raw_input_contents (one entry per input, in the order of "
+                             "'inputs') or as typed contents, not both")
+        arrays = [(spec, array_from_bytes(raw, spec, shape))
+                  for raw, (spec, shape) in zip(request.raw_input_contents, checked)]
+    else:
+        arrays = [(spec, _typed(tensor, spec, shape)) for tensor, (spec, shape) in zip(tensors, checked)]
+    return by_signature(served.inputs, arrays)
+
+
+def _typed(tensor: pb.ModelInferRequest.InferInputTensor, spec: TensorSpec, shape: list[int]) -> np.ndarray:
     field = TYPED_CONTENTS.get(spec.datatype)
     if field is None:
         raise BadRequest(f"{spec.datatype} data must be sent as raw_input_contents")

@@ -37,6 +37,7 @@ from mlscale.serve.core import (
 )
 from mlscale.serve.models import ServedModel
 from mlscale.serve.protocol import (
+    BadRequest,
     V2Request,
     check_json_cost,
     parse_predict,
@@ -250,11 +251,14 @@ DECODE_INLINE_BYTES = 64 * 1024
 
 def _parse(body: bytes, header_length: bytes | None, served: ServedModel, predict: bool) -> V2Request:
     header, binary = (body, b"") if predict else split_body(body, header_length)
-    if len(header) > DECODE_INLINE_BYTES:
+    if len(header) > DECODE_INLINE_BYTES and len(served.inputs) == 1:  # several inputs: a sequence, unbounded
         check_json_cost(header, served.input)
     if predict:
+        if len(served.inputs) > 1:
+            raise BadRequest(f"model {served.name} takes several inputs ({', '.join(s.name for s in served.inputs)}): "
+                             f"send an Open Inference Protocol request to /v2/models/{served.name}/infer")
         return parse_predict(_decode(header), served.input)
-    return parse_v2(_decode(header), served.input, served.output, binary)
+    return parse_v2(_decode(header), served.inputs, served.output, binary)
 
 
 @dataclass

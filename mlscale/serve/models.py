@@ -16,6 +16,7 @@ import numpy as np
 
 from mlscale.registry import ModelVersion, Registry, parse_uri
 from mlscale.serve.batcher import DynamicBatcher
+from mlscale.serve.batching import batching_for
 from mlscale.serve.metrics import ServerMetrics
 from mlscale.serve.options import ServeOptions
 from mlscale.serve.protocol import BadRequest
@@ -45,7 +46,9 @@ class ServedModel:
         self.version, self.runtime, self.options = version, runtime, options
         self.name, self.number = version.name, version.version
         signature = version.signature
-        self.input, self.output = (_served_spec(signature[side][0], runtime.datatype) for side in ("inputs", "outputs"))
+        # every input by name, in the signature's order (one, ``input``, for most models); ``input`` is the first
+        self.inputs = [_served_spec(tensor, runtime.datatype) for tensor in signature["inputs"]]
+        self.input, self.output = self.inputs[0], _served_spec(signature["outputs"][0], runtime.datatype)
         artifact = version.artifacts.get(RUNTIMES[runtime.kind].artifact)
         # what computes the answers: the artifact and the precision it runs in (a cache key's first part)
         self.content_id = f"{runtime.kind}:{artifact.sha256 if artifact else version.uri}:{self.output.datatype}"
@@ -58,7 +61,7 @@ class ServedModel:
                                       slo_s=options.slo_ms / 1e3 if options.slo_ms else None,
                                       timeout_s=options.timeout_ms / 1e3,
                                       inline=options.exec_timeout_s is None and role != "shadow",
-                                      instances=options.instances,
+                                      instances=options.instances, batching=batching_for(self.inputs, self.output),
                                       queue_limit=options.shadow_queue if role == "shadow" else options.queue_limit)
         self.features = None  # a model trained from features: what turns entity keys into its input
         if version.config.get("task") == "features":
@@ -86,8 +89,9 @@ class ServedModel:
         self.stats.release(self.role)
 
     def warm_up(self) -> None:
-        shape = [1 if d == -1 else d for d in self.input.shape]
-        self.runtime.run(np.zeros(shape, dtype=self.input.dtype))
+        zeros = {spec.name: np.zeros([1 if d == -1 else d for d in spec.shape], dtype=spec.dtype)
+                 for spec in self.inputs}
+        self.runtime.run(zeros if len(zeros) > 1 else zeros[self.input.name])
 
 
 class ModelSlot:

@@ -8,18 +8,25 @@ The binary tensor data extension (what ``tritonclient`` sends by default): the r
 bytes after it are the tensors' raw data, little-endian, row-major, in the order of ``inputs``, each
 ``parameters.binary_data_size`` long. An output asked for with ``parameters.binary_data`` (or every
 output, with the request's ``parameters.binary_data_output``) comes back the same way.
+
+A model of several inputs (``input_ids`` and ``attention_mask``: ``mlscale.registry.inputs``) takes
+every one of them by name, in any order, with one batch size, and one size for each dimension they
+leave open (a sequence length: the server pads or groups requests of different lengths, not the
+inputs of one request); the request's inputs are a dict of arrays in the signature's order. Such a
+model is served through the v2 infer route only (``/predict`` rows carry one tensor).
 """
 
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from mlscale.serve.runtime import NUMPY_TO_V2, V2_TO_NUMPY, TensorSpec
+from mlscale.serve.runtime import NUMPY_TO_V2, V2_TO_NUMPY, Inputs, TensorSpec
 
 MAX_ROWS = 4096
 
@@ -116,7 +123,8 @@ def check_shape(spec: TensorSpec, shape: Any) -> list[int]:
         raise BadRequest("'shape' must be a list of integers")
     expected = spec.shape
     if len(shape) != len(expected) or any(e != -1 and d != e for d, e in zip(shape, expected)):
-        raise BadRequest(f"input '{spec.name}' must have shape {list(expected)} (-1: any batch size), got {shape}")
+        what = "any size" if -1 in expected[1:] else "any batch size"
+        raise BadRequest(f"input '{spec.name}' must have shape {list(expected)} (-1: {what}), got {shape}")
     if not 1 <= shape[0] <= MAX_ROWS:
         raise BadRequest(f"batch dimension must be between 1 and {MAX_ROWS}, got {shape[0]}")
     return shape
@@ -141,7 +149,7 @@ def check_json_cost(body: bytes, spec: TensorSpec) -> None:
 
 @dataclass
 class V2Request:
-    array: np.ndarray | None  # None: the request names entities, whose features make the tensor
+    array: Inputs | None  # None: the request names entities, whose features make the tensor
     parameters: dict[str, Any] = field(default_factory=dict)  # what may change the answer (the cache's key)
     request_id: str | None = None
     binary_output: bool = False
@@ -169,6 +177,63 @@ def check_input(spec: TensorSpec, name: Any, datatype: Any, shape: Any, count: i
     if datatype != spec.datatype:
         raise BadRequest(f"input '{spec.name}' must have datatype {spec.datatype}, got {datatype!r}")
     return check_shape(spec, shape)
+
+
+def _takes(specs: Sequence[TensorSpec]) -> str:
+    return ", ".join(f"'{spec.name}'" for spec in specs)
+
+
+def check_inputs(specs: Sequence[TensorSpec],
+                 tensors: list[tuple[Any, Any, Any]]) -> list[tuple[TensorSpec, list[int]]]:
+    """A request's tensors, each ``(name, datatype, shape)``, against the model's inputs: for a model of
+    one input, that one (``check_input``); else every input once, by name, typed and shaped as the model
+    takes it, with one batch size and one size per open dimension. The spec and shape of each tensor,
+    in the request's order."""
+    if len(specs) == 1:
+        name, datatype, shape = tensors[0] if tensors else (None, None, None)
+        return [(specs[0], check_input(specs[0], name, datatype, shape, len(tensors)))]
+    by_name = {spec.name: spec for spec in specs}
+    names = [name for name, _, _ in tensors]
+    unknown = next((name for name in names if name not in by_name), None)
+    if unknown is not None:
+        raise BadRequest(f"unknown input {unknown!r}: this model takes {_takes(specs)}")
+    missing = [spec.name for spec in specs if spec.name not in names]
+    if missing or len(names) != len(specs):
+        what = f"lacks {', '.join(repr(n) for n in missing)}" if missing else "names an input twice"
+        raise BadRequest(f"'inputs' {what}: this model takes {_takes(specs)}, each once")
+    checked = []
+    for name, datatype, shape in tensors:
+        spec = by_name[name]
+        if datatype != spec.datatype:
+            raise BadRequest(f"input '{spec.name}' must have datatype {spec.datatype}, got {datatype!r}")
+        checked.append((spec, check_shape(spec, shape)))
+    _check_open_dims(checked)
+    return checked
+
+
+def _check_open_dims(checked: list[tuple[TensorSpec, list[int]]]) -> None:
+    """One size per open dimension across a request's inputs (a batch size; a sequence length, at
+    least 1): a model of several inputs takes them as one padded batch."""
+    seen: dict[int, tuple[str, int]] = {}
+    for spec, shape in checked:
+        for dim, size in enumerate(shape):
+            if spec.shape[dim] != -1:
+                continue
+            if size < 1:
+                raise BadRequest(f"dimension {dim} of input '{spec.name}' must be at least 1, got {size}")
+            first = seen.setdefault(dim, (spec.name, size))
+            if first[1] != size:
+                raise BadRequest(f"inputs '{first[0]}' and '{spec.name}' differ in dimension {dim} ({first[1]} vs "
+                                 f"{size}): a request's inputs must agree on it")
+
+
+def by_signature(specs: Sequence[TensorSpec], arrays: list[tuple[TensorSpec, np.ndarray]]) -> Inputs:
+    """A request's arrays as the runtime takes them: the one array of a model of one input, else a dict
+    by name in the signature's order."""
+    if len(specs) == 1:
+        return arrays[0][1]
+    found = {spec.name: array for spec, array in arrays}
+    return {spec.name: found[spec.name] for spec in specs}
 
 
 def check_outputs(output: TensorSpec, names: list[Any]) -> None:
@@ -252,8 +317,11 @@ def _request_id(body: dict[str, Any]) -> str | None:
     return request_id
 
 
-def parse_v2(body: Any, spec: TensorSpec, output: TensorSpec, binary: bytes = b"") -> V2Request:
-    """An Open Inference Protocol infer request; ``binary``: the bytes after the JSON header."""
+def parse_v2(body: Any, spec: TensorSpec | Sequence[TensorSpec], output: TensorSpec,
+             binary: bytes = b"") -> V2Request:
+    """An Open Inference Protocol infer request for a model of one input (``spec``) or several (the list
+    of them, in the signature's order); ``binary``: the bytes after the JSON header."""
+    specs = [spec] if isinstance(spec, TensorSpec) else list(spec)
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     parameters = body.get("parameters") or {}
@@ -262,9 +330,10 @@ def parse_v2(body: Any, spec: TensorSpec, output: TensorSpec, binary: bytes = b"
                          entities=parameters["entities"], return_features=bool(_flag(parameters, "return_features")))
     inputs = body.get("inputs")
     if not isinstance(inputs, list) or not all(isinstance(tensor, dict) for tensor in inputs):
-        raise BadRequest(f"'inputs' must be a list with one tensor, '{spec.name}'")
-    tensor = inputs[0] if inputs else {}
-    shape = check_input(spec, tensor.get("name"), tensor.get("datatype"), tensor.get("shape"), len(inputs))
+        if len(specs) == 1:
+            raise BadRequest(f"'inputs' must be a list with one tensor, '{specs[0].name}'")
+        raise BadRequest(f"'inputs' must be a list of the tensors {_takes(specs)}")
+    checked = check_inputs(specs, [(t.get("name"), t.get("datatype"), t.get("shape")) for t in inputs])
     parameters = body.get("parameters") or {}
     if not isinstance(parameters, dict):
         raise BadRequest("'parameters' must be an object")
@@ -278,23 +347,47 @@ def parse_v2(body: Any, spec: TensorSpec, output: TensorSpec, binary: bytes = b"
             choice = _flag(wanted.get("parameters") or {}, "binary_data")
             binary_output = binary_output if choice is None else choice
     request_id = _request_id(body)
-    tensor_parameters = tensor.get("parameters") or {}
-    if not isinstance(tensor_parameters, dict):
-        raise BadRequest(f"the 'parameters' of input '{spec.name}' must be an object")
-    size = tensor_parameters.get("binary_data_size")
-    if size is None:
-        if binary:
-            raise BadRequest(f"{len(binary)} bytes of binary data follow the JSON header, but no input has "
-                             "'binary_data_size'")
-        array = as_array(tensor.get("data"), spec, shape)
-    else:
-        if type(size) is not int or size < 0:
+    arrays = _tensor_data(list(zip(inputs, checked)), binary)
+    return V2Request(by_signature(specs, arrays), answer_parameters(parameters), request_id, binary_output)
+
+
+def _binary_sizes(tensors: list[tuple[dict[str, Any], tuple[TensorSpec, list[int]]]]) -> list[int | None]:
+    """Each tensor's ``parameters.binary_data_size`` (None: its values are JSON ``data``)."""
+    sizes = []
+    for tensor, (spec, _) in tensors:
+        tensor_parameters = tensor.get("parameters") or {}
+        if not isinstance(tensor_parameters, dict):
+            raise BadRequest(f"the 'parameters' of input '{spec.name}' must be an object")
+        size = tensor_parameters.get("binary_data_size")
+        if size is not None and (type(size) is not int or size < 0):
             raise BadRequest("'binary_data_size' must be a non-negative integer")
-        if size != len(binary):
-            raise BadRequest(f"input '{spec.name}' declares binary_data_size {size} but {len(binary)} bytes of "
-                             "binary data follow the JSON header")
-        array = array_from_bytes(binary, spec, shape)
-    return V2Request(array, answer_parameters(parameters), request_id, binary_output)
+        sizes.append(size)
+    return sizes
+
+
+def _tensor_data(tensors: list[tuple[dict[str, Any], tuple[TensorSpec, list[int]]]],
+                 binary: bytes) -> list[tuple[TensorSpec, np.ndarray]]:
+    """Each tensor's values: its JSON ``data``, or its ``binary_data_size`` bytes of ``binary`` (the
+    tensors' raw data one after the other, in the request's order)."""
+    sizes = _binary_sizes(tensors)
+    declared = sum(size for size in sizes if size is not None)
+    if binary and all(size is None for size in sizes):
+        raise BadRequest(f"{len(binary)} bytes of binary data follow the JSON header, but no input has "
+                         "'binary_data_size'")
+    if any(size is not None for size in sizes) and declared != len(binary):
+        if len(tensors) == 1:
+            raise BadRequest(f"input '{tensors[0][1][0].name}' declares binary_data_size {declared} but "
+                             f"{len(binary)} bytes of binary data follow the JSON header")
+        raise BadRequest(f"the inputs declare {declared} bytes of binary data (binary_data_size) but {len(binary)} "
+                         "follow the JSON header")
+    arrays, offset = [], 0
+    for (tensor, (spec, shape)), size in zip(tensors, sizes):
+        if size is None:
+            arrays.append((spec, as_array(tensor.get("data"), spec, shape)))
+        else:
+            arrays.append((spec, array_from_bytes(binary[offset:offset + size], spec, shape)))
+            offset += size
+    return arrays
 
 
 def parse_predict(body: Any, spec: TensorSpec) -> V2Request:
@@ -303,6 +396,9 @@ def parse_predict(body: Any, spec: TensorSpec) -> V2Request:
         return V2Request(None, entities=body["entities"], return_features=body.get("return_features") is True)
     if not isinstance(body, dict) or "inputs" not in body:
         raise BadRequest('the body must be {"inputs": [[...], ...]}')
+    if -1 in spec.shape[1:]:
+        raise BadRequest(f"input '{spec.name}' has dimensions of any size, which rows of /predict cannot say: "
+                         "send an Open Inference Protocol request (/v2/models/NAME/infer)")
     rows = body["inputs"]
     if isinstance(rows, list) and rows and not isinstance(rows[0], list):
         rows = [rows]

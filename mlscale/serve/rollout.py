@@ -37,6 +37,7 @@ from mlscale.serve.share import SHARE_TAG, canary_share
 
 if TYPE_CHECKING:
     from mlscale.serve.models import ModelSlot, ServedModel
+    from mlscale.serve.runtime import Inputs
 
 log = logging.getLogger("mlscale.serve")
 __all__ = ["SHARE_TAG", "Shadow", "TrafficSplit", "compare", "key_bucket", "route_hash_key"]
@@ -160,7 +161,7 @@ class Shadow:
     def name(self) -> str:
         return self.slot.name
 
-    def copy(self, served: ServedModel, array: np.ndarray, output: np.ndarray, served_seconds: float) -> None:
+    def copy(self, served: ServedModel, array: Inputs, output: np.ndarray, served_seconds: float) -> None:
         """Queue a copy of a request the primary version ``served`` answered with ``output`` in
         ``served_seconds`` (a canary's answers are not compared: the shadow is measured against the
         version served), unless it is not in the share, or the shadow holds ``queue_limit`` copies
@@ -178,7 +179,7 @@ class Shadow:
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
-    async def _answer(self, shadow: ServedModel, array: np.ndarray, output: np.ndarray,
+    async def _answer(self, shadow: ServedModel, array: Inputs, output: np.ndarray,
                       served_seconds: float) -> None:
         tracing.current.set(None)  # this task's own context: the copy is not part of the client's trace
         stats: ModelStats = shadow.stats

@@ -1,7 +1,9 @@
 """Runtimes: what executes a batch. The server only knows this interface, not how a model was trained.
 
 ``onnx`` (onnxruntime, the default when the version has an ONNX artifact) and ``torch`` (eager, in
-inference mode). Both take and return numpy arrays whose first dimension is the batch. Which runtimes
+inference mode). Both take and return numpy arrays whose first dimension is the batch: one array for a
+model of one input (``input``), a dict of arrays by input name for a model of several (called by keyword,
+or by position for ``input_0, input_1, ...``: ``mlscale.registry.inputs``). Which runtimes
 there are, what each loads and how it is named to clients is in one table: ``runtimes.RUNTIMES``.
 """
 
@@ -15,8 +17,10 @@ import numpy as np
 
 from mlscale.dtypes import V2_TO_NAME
 from mlscale.registry import ModelVersion, Registry
+from mlscale.registry.inputs import call_args
 from mlscale.serve.runtimes import choose
 
+Inputs = np.ndarray | dict[str, np.ndarray]  # a batch's inputs: one array, or one per input name
 V2_TO_NUMPY = {v2: np.dtype(name) for v2, name in V2_TO_NAME.items() if v2 != "BF16"}
 NUMPY_TO_V2 = {dtype: v2 for v2, dtype in V2_TO_NUMPY.items()}
 
@@ -25,7 +29,7 @@ class Runtime(Protocol):
     kind: str
     datatype: str | None  # the datatype the model computes in, when it is not the registered one
 
-    def run(self, batch: np.ndarray) -> np.ndarray: ...
+    def run(self, batch: Inputs) -> np.ndarray: ...
 
 
 class OnnxRuntime:
@@ -39,8 +43,8 @@ class OnnxRuntime:
 
         self.session = onnx_session(model, threads=threads)
 
-    def run(self, batch: np.ndarray) -> np.ndarray:
-        return self.session.run(["output"], {"input": batch})[0]
+    def run(self, batch: Inputs) -> np.ndarray:
+        return self.session.run(["output"], batch if isinstance(batch, dict) else {"input": batch})[0]
 
 
 class TorchRuntime:
@@ -61,21 +65,28 @@ class TorchRuntime:
         self._dtype = getattr(torch, V2_TO_NAME[datatype]) if datatype else None
         self.model = model.to(self._dtype) if self._dtype is not None else model
 
-    def run(self, batch: np.ndarray) -> np.ndarray:
+    def run(self, batch: Inputs) -> np.ndarray:
         torch = self._torch
         with torch.inference_mode():
-            inputs = torch.from_numpy(batch)
-            if self._dtype is not None and inputs.is_floating_point():  # token ids stay integers
-                inputs = inputs.to(self._dtype)
-            output = self._predictions(self.model(inputs))
+            if isinstance(batch, dict):
+                args, kwargs = call_args({name: self._tensor(array) for name, array in batch.items()})
+                output = self._predictions(self.model(*args, **kwargs))
+            else:
+                output = self._predictions(self.model(self._tensor(batch)))
             return (output.float() if output.dtype == torch.bfloat16 else output).numpy()
+
+    def _tensor(self, array: np.ndarray) -> Any:
+        tensor = self._torch.from_numpy(array)
+        if self._dtype is not None and tensor.is_floating_point():  # token ids and masks stay integers
+            tensor = tensor.to(self._dtype)
+        return tensor
 
 
 @dataclass(frozen=True)
 class TensorSpec:
     name: str
     datatype: str
-    shape: tuple[int, ...]  # -1 for the batch dimension
+    shape: tuple[int, ...]  # -1 for the batch dimension and any other the model leaves open (a sequence)
     # the values an integer input may take, both ends included, where the model declares them (the ids
     # an embedding has rows for, recorded at registration); None: any value of the datatype
     value_range: tuple[int, int] | None = None
