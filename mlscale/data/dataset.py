@@ -6,6 +6,10 @@ tensor, a tuple of tensors or a dict of tensors, ``target`` a tensor (or a numbe
 (default: ``stack``); the loaders pick the indices (``sampler.shard_indices``), so the sharding contract
 is the same as for in-memory tensors. A failure reading or collating names the sample index and the
 user's exception in one line (``SampleError``), also from a DataLoader worker process.
+
+A Dataset whose items depend on the epoch (random augmentation that must be the same after a resume, at
+any world size or number of data workers) defines ``item_for_epoch(index, epoch)``: mlscale calls it with
+the epoch of the batch instead of ``dataset[index]`` (``images.ImageFolder`` draws its crops so).
 """
 
 from __future__ import annotations
@@ -64,10 +68,16 @@ class MapData:
     def to(self, dtype: torch.dtype) -> MapData:
         return MapData(self.dataset, self.collate_fn, dtype, self.name)
 
-    def item(self, index: int) -> Any:
-        """Item ``index`` as ``__getitem__`` gives it; any failure is a ``SampleError`` naming the index."""
+    @property
+    def per_epoch(self) -> bool:
+        """Whether items depend on the epoch (the Dataset defines ``item_for_epoch``)."""
+        return callable(getattr(self.dataset, "item_for_epoch", None))
+
+    def item(self, index: int, epoch: int = 0) -> Any:
+        """Item ``index`` as ``__getitem__`` (or ``item_for_epoch``) gives it; any failure is a
+        ``SampleError`` naming the index."""
         try:
-            item = self.dataset[index]
+            item = self.dataset.item_for_epoch(index, epoch) if self.per_epoch else self.dataset[index]
         except IndexError as exc:
             raise SampleError(f"sample {index} of {self.name}: __getitem__ raised IndexError ({first_line(exc)}) "
                               f"although __len__ says {self.size:,} samples") from None
@@ -92,9 +102,9 @@ class MapData:
             raise SampleError(f"{where}: the collate failed: {_mistake(exc)}") from None
         return (cast_floats(inputs, self.dtype), cast_floats(targets, self.dtype)) if self.dtype else (inputs, targets)
 
-    def batch(self, indices: torch.Tensor | Sequence[int]) -> tuple[Tree, Tree]:
+    def batch(self, indices: torch.Tensor | Sequence[int], epoch: int = 0) -> tuple[Tree, Tree]:
         chosen = [int(i) for i in indices]
-        return self.collate([self.item(i) for i in chosen], chosen)
+        return self.collate([self.item(i, epoch) for i in chosen], chosen)
 
     def check(self) -> None:
         """What can be seen before training: a size, a first and a last item that are ``(inputs, target)``
@@ -130,23 +140,24 @@ class Items(Dataset[Any]):
     def __len__(self) -> int:
         return len(self.data)
 
-    def __getitem__(self, index: int) -> tuple[int, Any]:
+    def __getitem__(self, key: int | tuple[int, int]) -> tuple[int, Any]:
+        index, epoch = key if isinstance(key, tuple) else (key, 0)  # (index, epoch) from an epoch-aware plan
         worker = get_worker_info()
         slot = worker.id % MAX_WORKERS if worker is not None else None
         if slot is not None:
             self.reading[slot] = index
         try:
-            return index, self._read(index)
+            return index, self._read(index, epoch)
         finally:  # a Python exception is reported as itself; only a process that died leaves its index
             if slot is not None:
                 self.reading[slot] = -1
 
-    def _read(self, index: int) -> Any:
+    def _read(self, index: int, epoch: int) -> Any:
         if self.cache is not None:
             found = self.cache.get(index)
             if found is not None:
                 return found
-        item = self.data.item(index)
+        item = self.data.item(index, epoch)
         # As the cache will give it back (numbers as tensors), so that a batch of fresh and cached items collates
         return self.cache.put(index, item) if self.cache is not None else item
 

@@ -70,4 +70,4 @@ class ShardLoader:
         self._cursor += self.batch_size
         self.position = Position(self.position.epoch, self.position.offset + self.batch_size * self.world)
         self.last_ids = idx
-        return self.data.batch(idx)
+        return self.data.batch(idx, self.position.epoch)

@@ -33,7 +33,7 @@ from mlscale.data.item_cache import make_item_cache
 from mlscale.data.loader import Position, check_a_batch_fits
 from mlscale.data.sampler import shard_indices
 from mlscale.data.tensors import TensorData
-from mlscale.errors import first_line
+from mlscale.errors import UsageError, first_line
 from mlscale.io import atomic_write_json
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
@@ -141,8 +141,11 @@ class BatchPlan(Protocol):
 class _Batches:
     """The ShardLoader's batches as index lists, forever; each batch's end position queued as it goes."""
 
-    def __init__(self, size: int, rank: int, world: int, batch_size: int, seed: int, position: Position) -> None:
+    def __init__(self, size: int, rank: int, world: int, batch_size: int, seed: int, position: Position,
+                 with_epoch: bool = False) -> None:
+        """``with_epoch``: yield ``(index, epoch)`` pairs, for a Dataset whose items depend on the epoch."""
         self.size, self.rank, self.world, self.batch_size, self.seed = size, rank, world, batch_size, seed
+        self.with_epoch = with_epoch
         self.start = position
         self.positions: collections.deque[Position] = collections.deque()
         self.ids: collections.deque[torch.Tensor] = collections.deque()  # each batch's indices, in order
@@ -155,8 +158,9 @@ class _Batches:
             for cursor in range(0, len(indices) - self.batch_size + 1, self.batch_size):
                 position = Position(position.epoch, position.offset + self.batch_size * self.world)
                 self.positions.append(position)
-                self.ids.append(indices[cursor: cursor + self.batch_size])
-                yield indices[cursor: cursor + self.batch_size].tolist()
+                chosen = indices[cursor: cursor + self.batch_size]
+                self.ids.append(chosen)
+                yield [(i, position.epoch) for i in chosen.tolist()] if self.with_epoch else chosen.tolist()
             position = Position(position.epoch + 1, 0)
 
 
@@ -228,8 +232,12 @@ class DatasetLoader(StreamLoader):
                  cache_key: str = "", pin_memory: bool = False) -> None:
         check_a_batch_fits(len(data), world, batch_size)
         position = position or Position()
+        if cache != "none" and data.per_epoch:
+            raise UsageError(f"bad value data-cache={cache!r}: this Dataset's items change with the epoch "
+                             "(item_for_epoch: its augmentation), so they cannot be kept by index")
         self.cache = make_item_cache(cache, cache_dir, cache_key)
-        super().__init__(Items(data, self.cache), _Batches(len(data), rank, world, batch_size, seed, position),
+        batches = _Batches(len(data), rank, world, batch_size, seed, position, with_epoch=data.per_epoch)
+        super().__init__(Items(data, self.cache), batches,
                          position, workers=workers, prefetch=prefetch, pin_memory=pin_memory,
                          collate_fn=CollateIndexed(data))
 

@@ -21,8 +21,8 @@ class TensorData:
     def __len__(self) -> int:
         return len(self.inputs)
 
-    def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows ``indices`` of the inputs and of the targets."""
+    def batch(self, indices: torch.Tensor, epoch: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``indices`` of the inputs and of the targets (the same in every epoch)."""
         return self.inputs[indices], self.targets[indices]
 
     def to(self, dtype: torch.dtype) -> TensorData:

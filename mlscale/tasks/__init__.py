@@ -11,6 +11,7 @@ from mlscale.tasks.base import Task, TensorData
 from mlscale.tasks.declared import declare_task, declared_factory
 from mlscale.tasks.digits import make_digits, make_digits_cnn
 from mlscale.tasks.featured import make_features
+from mlscale.tasks.images import make_images
 from mlscale.tasks.synthetic import make_synthetic
 from mlscale.tasks.tabular import make_parquet
 from mlscale.tasks.tinylm import make_tinylm
@@ -24,6 +25,7 @@ BUILTIN_TASKS: dict[str, Callable[..., Task]] = {
     "tinylm": make_tinylm,
     "parquet": make_parquet,
     "features": make_features,
+    "images": make_images,
 }
 
 
