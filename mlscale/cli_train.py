@@ -256,6 +256,10 @@ def _detail_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
         flagged = report["straggler_detection"]["flagged"]
         rows.append(("stragglers", ", ".join(f"rank {r} (from step {f['first_step']}, up to {f['max_score']:.1f}x)"
                                              for r, f in flagged.items())))
+    waiting = (report.get("data") or {}).get("input_bound") or {}
+    if waiting.get("bound"):
+        rows.append(("input-bound", f"data wait {waiting['data_wait_share']:.0%} of the step on rank {waiting['rank']} "
+                     f"(median): {waiting['advice']}"))
     server = report.get("parameter_server")
     if server:
         rows.append(("parameter server", f"{server['sync']}, {server['gradients_applied']:,} gradients applied, "

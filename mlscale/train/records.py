@@ -152,6 +152,34 @@ class _Window:
     samples: int = 0
 
 
+INPUT_BOUND_SHARE = 0.10  # data wait past this share of a step: the input pipeline, not the model, sets the pace
+
+
+def input_bound(per_rank: Sequence[dict[str, float]], config: TrainConfig, suffix: str = "_p50") -> dict[str, Any]:
+    """Whether the run waits on its input: the largest share of a step a data rank spent waiting for its
+    batch, the rank, and what to try (the options this run did not use yet)."""
+    shares = {int(row["rank"]): row[f"data_wait_ms{suffix}"] / row[f"step_ms{suffix}"]
+              for row in per_rank if row.get(f"step_ms{suffix}")}
+    if not shares:
+        return {"bound": False, "data_wait_share": 0.0}
+    rank = max(shares, key=lambda r: shares[r])
+    verdict: dict[str, Any] = {"bound": shares[rank] > INPUT_BOUND_SHARE, "data_wait_share": round(shares[rank], 4),
+                               "rank": rank}
+    if verdict["bound"]:
+        verdict["advice"] = input_advice(config)
+    return verdict
+
+
+def input_advice(config: TrainConfig) -> str:
+    data = config.data
+    if data.data_workers == 0:
+        return "load in parallel: --data-workers auto"
+    if data.data_cache == "none":
+        return ("keep what is decoded: --data-cache memory|disk (deterministic samples), or give the data workers "
+                "more cores")
+    return "give the data workers more cores (fewer training processes per host), or make samples cheaper to read"
+
+
 def by_rank(rows: list[StepRow]) -> dict[int, list[StepRow]]:
     grouped: dict[int, list[StepRow]] = {}
     for row in rows:
@@ -281,7 +309,10 @@ class Records:
             if self.tensorboard is not None:
                 self.tensorboard.write(step, loss, self.strategy.lr(), samples_per_s, shared, evaluated)
         if self.progress is not None:
-            self.progress.update(step, loss, window.samples / (now() - window.start), self.stragglers.describe_now())
+            waiting = input_bound([{"rank": r.rank, **r.times.as_dict()} for r in shared], self.config, suffix="")
+            notes = [self.stragglers.describe_now()] + \
+                [f"input-bound: data wait {waiting['data_wait_share']:.0%} of the step"] * waiting["bound"]
+            self.progress.update(step, loss, window.samples / (now() - window.start), "  ".join(n for n in notes if n))
         self.final_loss = sum(r.loss_last for r in with_loss) / len(with_loss) if with_loss else math.nan
 
     def training_ended(self) -> None:
@@ -335,7 +366,7 @@ class Records:
             "recovery": {**recovery_summary(self.run_dir), **strategy_report.pop("recovery", {})},
             "checkpoint": trainer.checkpoint,
             "per_rank": per_rank,
-            "data": trainer.data,
+            "data": {**trainer.data, "input_bound": input_bound(per_rank, config)},
             "features": trainer.features,
             "memory": memory,
             "stragglers": sorted(self.stragglers.first_flagged),

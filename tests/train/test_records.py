@@ -36,3 +36,17 @@ def test_timings_and_memory_come_back_named():
                                      "comm_exposed_ms_p50": 1.0, "data_wait_ms_p50": 2.0, "optimizer_ms_p50": 1.5}
     memory = RankMemory.from_floats(RankMemory(1, {"params_mb": 4.0, "state_mb": 8.0}, 100.0).to_floats())
     assert memory.as_report() == {"rank": 1, "params_mb": 4.0, "state_mb": 8.0, "peak_mb": 100.0}
+
+
+def test_a_run_whose_data_wait_passes_a_tenth_of_the_step_is_input_bound_with_advice():
+    from mlscale.config import build_config
+    from mlscale.train.records import input_bound
+
+    rows = [{"rank": 0, "data_wait_ms_p50": 1.0, "step_ms_p50": 20.0},
+            {"rank": 1, "data_wait_ms_p50": 6.0, "step_ms_p50": 20.0}]
+    verdict = input_bound(rows, build_config(task="digits"))
+    assert verdict == {"bound": True, "data_wait_share": 0.3, "rank": 1,
+                       "advice": "load in parallel: --data-workers auto"}
+    cached = input_bound(rows, build_config(task="digits", data_workers=2, data_cache="memory"))["advice"]
+    assert "more cores" in cached
+    assert not input_bound(rows[:1], build_config(task="digits"))["bound"]
