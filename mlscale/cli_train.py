@@ -256,6 +256,11 @@ def _detail_rows(report: dict[str, Any]) -> list[tuple[str, str]]:
         flagged = report["straggler_detection"]["flagged"]
         rows.append(("stragglers", ", ".join(f"rank {r} (from step {f['first_step']}, up to {f['max_score']:.1f}x)"
                                              for r, f in flagged.items())))
+    bad = (report.get("data") or {}).get("bad_samples") or {}
+    if bad.get("count"):
+        first = bad["samples"][0]
+        rows.append(("bad samples", f"{bad['count']:,} left out (--bad-samples skip), the first at step "
+                     f"{first['step']}: {first['error']}; all in report.json data.bad_samples"))
     waiting = (report.get("data") or {}).get("input_bound") or {}
     if waiting.get("bound"):
         rows.append(("input-bound", f"data wait {waiting['data_wait_share']:.0%} of the step on rank {waiting['rank']} "

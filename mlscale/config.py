@@ -107,6 +107,11 @@ class DataOptions(Options):
         "epochs skip that work: memory (shared memory; what the flag alone means) or disk (files in "
         "RUN_DIR/data-cache, for data larger than memory, found again by a resumed run)")
 
+    bad_samples: Literal["stop", "skip"] = option(
+        "stop", "a sample of a Dataset that cannot be read or decoded (a corrupt image, a file gone): stop: exit 1 "
+        "naming it, the rank and the error (the last checkpoint kept); skip: train its batch without it and list it "
+        "in report.json data.bad_samples and RUN_DIR/bad_samples/")
+
     @field_validator("data_cache", mode="before")
     @classmethod
     def _cache_from_flag(cls, value: Any) -> Any:

@@ -41,7 +41,12 @@ def _dataset_fingerprint(data: Dataset[Any], digest: Any) -> None:
     size = len(data)  # type: ignore[arg-type]
     digest.update(f"{type(data).__module__}.{type(data).__qualname__}:{size}".encode())
     for index in sorted({size * k // DATASET_PROBES for k in range(DATASET_PROBES)} if size else ()):
-        for leaf in pytree.tree_leaves(data[index]):
+        try:
+            item = data[index]
+        except Exception as exc:  # a bad sample (skipped by --bad-samples skip) is part of what the data is
+            digest.update(f"{index}:unreadable:{type(exc).__name__}".encode())
+            continue
+        for leaf in pytree.tree_leaves(item):
             tensor = torch.as_tensor(leaf)
             digest.update(f"{index}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
             digest.update(tensor.contiguous().cpu().numpy().tobytes())

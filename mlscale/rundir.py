@@ -93,6 +93,12 @@ class RunDir:
     sample_ids = property(lambda self: self.path / "sample_ids")  # --log-sample-ids
     sample_attempts_path = property(lambda self: self.sample_ids / "attempts.jsonl")  # one line a start
 
+    bad_samples = property(lambda self: self.path / "bad_samples")  # --bad-samples skip: what was left out
+
+    def bad_samples_path(self, rank: int) -> Path:
+        """Rank ``rank``'s samples that could not be read, one JSON line each (``--bad-samples skip``)."""
+        return self.bad_samples / f"rank{rank}.jsonl"
+
     def sample_ids_path(self, rank: int) -> Path:
         """``--log-sample-ids``: the data set indices rank ``rank`` trained, a line a step."""
         return self.sample_ids / f"rank{rank}.jsonl"

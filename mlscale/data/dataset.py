@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -54,8 +55,12 @@ class MapData:
     """Batches of a map-style Dataset: items by index, collated, floats cast to ``dtype``."""
 
     def __init__(self, dataset: Dataset[Any], collate: Collate | None = None, dtype: torch.dtype | None = None,
-                 name: str = "the training Dataset") -> None:
+                 name: str = "the training Dataset", skip_bad: bool = False) -> None:
+        """``skip_bad``: a sample that fails to read is left out of its batch and noted in ``bad`` (``--bad-samples
+        skip``), instead of raising."""
         self.dataset, self.collate_fn, self.dtype, self.name = dataset, collate, dtype, name
+        self.skip_bad = skip_bad
+        self.bad: list[dict[str, Any]] = []  # {"index", "error"} of samples left out, in this process
         try:
             self.size = len(dataset)  # type: ignore[arg-type]
         except TypeError:
@@ -66,7 +71,10 @@ class MapData:
         return self.size
 
     def to(self, dtype: torch.dtype) -> MapData:
-        return MapData(self.dataset, self.collate_fn, dtype, self.name)
+        return MapData(self.dataset, self.collate_fn, dtype, self.name, self.skip_bad)
+
+    def skipping(self, skip: bool) -> MapData:
+        return MapData(self.dataset, self.collate_fn, self.dtype, self.name, skip)
 
     @property
     def per_epoch(self) -> bool:
@@ -104,7 +112,26 @@ class MapData:
 
     def batch(self, indices: torch.Tensor | Sequence[int], epoch: int = 0) -> tuple[Tree, Tree]:
         chosen = [int(i) for i in indices]
-        return self.collate([self.item(i, epoch) for i in chosen], chosen)
+        read = [(i, self.read(i, epoch)) for i in chosen]
+        kept = [(i, item) for i, item in read if not isinstance(item, Bad)]
+        self.bad.extend(item.as_dict() for _, item in read if isinstance(item, Bad))
+        return self.collate_kept(kept)
+
+    def read(self, index: int, epoch: int = 0) -> Any:
+        """``item``, or under ``skip_bad`` a ``Bad`` note in place of a sample that failed."""
+        try:
+            return self.item(index, epoch)
+        except SampleError as exc:
+            if not self.skip_bad:
+                raise
+            return Bad(index, epoch, str(exc))
+
+    def collate_kept(self, kept: list[tuple[int, Any]]) -> tuple[Tree, Tree]:
+        """The items left of a batch, collated; a batch of which none is left is an error even when skipping."""
+        if not kept:
+            raise SampleError(f"every sample of a batch of {self.name} failed to read (--bad-samples skip leaves "
+                              "a batch none): the data set is broken, not a sample of it")
+        return self.collate([item for _, item in kept], [i for i, _ in kept])
 
     def check(self) -> None:
         """What can be seen before training: a size, a first and a last item that are ``(inputs, target)``
@@ -117,6 +144,18 @@ class MapData:
             split_items([self.item(i) for i in ends])
         except SampleError as exc:
             raise UsageError(str(exc)) from None
+
+
+@dataclass(frozen=True)
+class Bad:
+    """A sample left out under ``--bad-samples skip``: which, in which epoch, and why."""
+
+    index: int
+    epoch: int
+    error: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"index": self.index, "epoch": self.epoch, "error": self.error}
 
 
 def span(indices: Sequence[int]) -> str:
@@ -134,7 +173,7 @@ class Items(Dataset[Any]):
     segfault) is reported with the sample it died on."""
 
     def __init__(self, data: MapData, cache: Any = None) -> None:
-        self.data, self.cache = data, cache
+        self.data, self.cache = data, cache  # (data.skip_bad: a failed read gives a Bad note, collated apart)
         self.reading = torch.full((MAX_WORKERS,), -1, dtype=torch.int64).share_memory_()
 
     def __len__(self) -> int:
@@ -157,7 +196,9 @@ class Items(Dataset[Any]):
             found = self.cache.get(index)
             if found is not None:
                 return found
-        item = self.data.item(index, epoch)
+        item = self.data.read(index, epoch)
+        if isinstance(item, Bad):
+            return item
         # As the cache will give it back (numbers as tensors), so that a batch of fresh and cached items collates
         return self.cache.put(index, item) if self.cache is not None else item
 
@@ -173,8 +214,11 @@ class CollateIndexed:
     def __init__(self, data: MapData) -> None:
         self.data = data
 
-    def __call__(self, indexed: list[tuple[int, Any]]) -> tuple[Tree, Tree]:
-        return self.data.collate([item for _, item in indexed], [index for index, _ in indexed])
+    def __call__(self, indexed: list[tuple[int, Any]]) -> tuple[Tree, Tree] | tuple[Tree, Tree, list[dict[str, Any]]]:
+        """The batch; under ``--bad-samples skip`` also the notes of the samples left out (a third element)."""
+        bad = [item.as_dict() for _, item in indexed if isinstance(item, Bad)]
+        batch = self.data.collate_kept([(i, item) for i, item in indexed if not isinstance(item, Bad)])
+        return (*batch, bad) if self.data.skip_bad else batch
 
 
 def is_map_dataset(source: Any) -> bool:

@@ -41,6 +41,14 @@ def check_a_batch_fits(size: int, world: int, batch_size: int, source: str = "th
                          f"than the {size:,} training samples of {source}")
 
 
+def drop_bad(ids: torch.Tensor, bad: list[dict[str, Any]]) -> torch.Tensor:
+    """A batch's indices without the samples left out of it."""
+    if not bad:
+        return ids
+    left_out = {note["index"] for note in bad}
+    return ids[torch.tensor([int(i) not in left_out for i in ids], dtype=torch.bool)]
+
+
 class ShardLoader:
     """Yields ``(inputs, targets)`` batches of this rank's shard, epoch after epoch, forever, in this
     process: rows of in-memory tensors, or a user's Dataset's items collated (``MapData``)."""
@@ -52,6 +60,7 @@ class ShardLoader:
         self.batch_size, self.seed = batch_size, seed
         self.position = position or Position()
         self.last_ids: torch.Tensor | None = None  # the data set indices of the batch last returned
+        self.last_bad: list[dict[str, Any]] = []  # samples left out of it (a Dataset under --bad-samples skip)
         self._load_epoch()
 
     def _load_epoch(self) -> None:
@@ -69,5 +78,8 @@ class ShardLoader:
         idx = self._indices[self._cursor: self._cursor + self.batch_size]
         self._cursor += self.batch_size
         self.position = Position(self.position.epoch, self.position.offset + self.batch_size * self.world)
-        self.last_ids = idx
-        return self.data.batch(idx, self.position.epoch)
+        noted = len(getattr(self.data, "bad", ()))
+        batch = self.data.batch(idx, self.position.epoch)
+        self.last_bad = list(getattr(self.data, "bad", [])[noted:])
+        self.last_ids = drop_bad(idx, self.last_bad)
+        return batch

@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from mlscale.data.dataset import CollateIndexed, Items, MapData, SampleError, message_of, span
 from mlscale.data.item_cache import make_item_cache
-from mlscale.data.loader import Position, check_a_batch_fits
+from mlscale.data.loader import Position, check_a_batch_fits, drop_bad
 from mlscale.data.sampler import shard_indices
 from mlscale.data.tensors import TensorData
 from mlscale.errors import UsageError, first_line
@@ -173,6 +173,7 @@ class StreamLoader:
                  prefetch: int, pin_memory: bool, collate_fn: Callable[[Any], Any] | None = None) -> None:
         self.position, self.workers, self._batches = position, workers, batches
         self.last_ids: torch.Tensor | None = None  # the data set indices of the batch last returned, if known
+        self.last_bad: list[dict[str, Any]] = []  # samples left out of it (--bad-samples skip)
         self.samples = dataset
         self._loader = DataLoader(dataset, batch_sampler=batches, num_workers=workers,  # type: ignore[arg-type]
                                   prefetch_factor=prefetch if workers else None, persistent_workers=workers > 0,
@@ -184,7 +185,7 @@ class StreamLoader:
 
     def __next__(self) -> tuple[Any, Any]:
         try:
-            inputs, targets = next(self._iterator)
+            batch = next(self._iterator)
         except SampleError as exc:  # raised in a worker: its one line again, without the worker's traceback
             raise SampleError(message_of(exc)) from None
         except RuntimeError as exc:
@@ -196,9 +197,11 @@ class StreamLoader:
                 f" while reading one of samples {span(reading)}" if reading else \
                 f" while loading samples {span(ids[0].tolist())}" if ids else ""
             raise SampleError(f"a data-loading worker process died{samples}: {first_line(exc)}") from None
+        inputs, targets, *bad = batch  # a third element: the samples left out (--bad-samples skip)
+        self.last_bad = bad[0] if bad else []
         self.position = self._batches.positions.popleft()  # batches come back in the sampler's order
         ids = getattr(self._batches, "ids", None)  # a plan that knows its rows' indices (in-memory data)
-        self.last_ids = ids.popleft() if ids else None
+        self.last_ids = drop_bad(ids.popleft(), self.last_bad) if ids else None
         return inputs, targets
 
     def close(self) -> None:

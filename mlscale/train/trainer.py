@@ -29,6 +29,7 @@ from mlscale.data.dataset import MapData
 from mlscale.data.parquet import ParquetData, ParquetLoader, check_resumable
 from mlscale.data.pipeline import DatasetLoader, PipelineLoader, StreamLoader, autotune_workers, describe_choice
 from mlscale.errors import MlscaleError
+from mlscale.io import append_jsonl, read_jsonl
 from mlscale.lineage import data_fingerprint
 from mlscale.rundir import RunDir
 from mlscale.tasks import TensorData, make_task
@@ -70,6 +71,16 @@ def lr_factor(config: TrainConfig, total: int) -> Any:
 
 
 EVAL_BATCH = 1024
+BAD_SAMPLES_SHOWN = 100
+
+
+def bad_samples(run_dir: RunDir) -> dict[str, Any]:
+    """``--bad-samples skip``'s record for the report: how many samples were left out, over every rank and
+    attempt, and the first ``BAD_SAMPLES_SHOWN`` of them (rank, step, index, epoch, error)."""
+    notes = [{"rank": int(path.stem.removeprefix("rank")), **line}
+             for path in sorted(run_dir.bad_samples.glob("rank*.jsonl")) for line in read_jsonl(path)]
+    notes.sort(key=lambda note: (note.get("step", 0), note["rank"]))
+    return {"count": len(notes), "samples": notes[:BAD_SAMPLES_SHOWN]}
 
 
 def _eval_batches(data: TensorData | MapData) -> Any:
@@ -87,6 +98,8 @@ class Trainer:
         self.task = make_task(config.task, config.task_options)
         self.dtype = getattr(torch, config.compute.dtype)
         self.train_data = self.task.train_data().to(self.dtype)
+        if isinstance(self.train_data, MapData):
+            self.train_data = self.train_data.skipping(config.data.bad_samples == "skip")
         strategy_type = strategy_for(config)
         self.shard = plan.shard_of(env.rank, env.replica)  # None: reads no data
         self.shards = plan.data_shards
@@ -318,6 +331,9 @@ class Trainer:
         if self.loader is None:
             return None
         inputs, targets = next(self.loader)
+        for note in self.loader.last_bad:  # --bad-samples skip: left out of this batch, kept on record
+            append_jsonl(self.run_dir.bad_samples_path(self.env.rank),
+                         {"step": self.step + 1, **note, "epoch": self.loader.position.epoch})
         device = self.env.device
         inputs, targets = to_device(inputs, device, non_blocking=True), to_device(targets, device, non_blocking=True)
         return Batch(inputs, targets, self.loader.position, start, (now() - start) * 1e3, self.loader.last_ids)
@@ -430,6 +446,7 @@ class Trainer:
                                   "cache": self.config.data.data_cache, "transform": self.task.transform is not None,
                                   "source": "memory"}
         if isinstance(self.train_data, MapData):
+            report["bad_samples"] = bad_samples(self.run_dir)
             report.update(source="dataset", dataset=type(self.train_data.dataset).__name__,
                           collate=type(self.task.collate).__name__ if self.task.collate else "stack")
         if isinstance(self.train_data, ParquetData):

@@ -181,3 +181,15 @@ def test_a_data_worker_that_dies_names_the_sample_it_was_reading():
     with pytest.raises(SampleError, match="a data-loading worker process died while reading sample 9"):
         next(loader)
     loader.close()
+
+
+def test_a_sample_left_out_under_bad_samples_skip_is_noted_and_its_batch_trains_without_it():
+    data = MapData(Broken("raises", at=5, size=16), PadCollate(mask="attention_mask"), skip_bad=True)
+    loader = ShardLoader(data, rank=0, world=1, batch_size=8, seed=0)
+    seen = []
+    for _ in range(2):
+        inputs, targets = next(loader)
+        assert rows(inputs) == rows(targets) == len(loader.last_ids)
+        seen.extend(loader.last_ids.tolist())
+    assert sorted(seen) == [i for i in range(16) if i != 5]
+    assert [note["index"] for note in data.bad] == [5] and "cannot decode record 5" in data.bad[0]["error"]

@@ -105,3 +105,18 @@ def test_a_failure_while_training_names_the_rank_the_sample_and_the_exception(mi
                      "--run-dir", str(tmp_path / "run"), timeout=240)
     assert result.returncode == 1, result.stderr[-3000:]
     assert "worker rank" in result.stderr and says in result.stderr and "Traceback" not in result.stderr
+
+
+def test_bad_samples_skip_trains_without_them_and_lists_them(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_cli("train", "--task", "tests.own_data:broken", "--task-opt", "mistake=raises", "--workers", "2",
+                     "--batch-size", "8", "--epochs", "2", "--data-workers", "1", "--bad-samples", "skip",
+                     "--log-sample-ids", "--no-progress", "--run-dir", str(run_dir), timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "bad samples  2 left out (--bad-samples skip)" in result.stdout
+    bad = json.loads((run_dir / "report.json").read_text())["data"]["bad_samples"]
+    assert bad["count"] == 2 and [(s["index"], s["epoch"]) for s in bad["samples"]] == [(37, 0), (37, 1)]
+    assert "ValueError: cannot decode record 37" in bad["samples"][0]["error"]
+    ids = [i for path in (run_dir / "sample_ids").glob("rank*.jsonl") for line in path.read_text().splitlines()
+           for i in json.loads(line)["ids"]]
+    assert len(ids) == 2 * 160 - 2 and 37 not in ids  # every other sample trained, each epoch
