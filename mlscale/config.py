@@ -107,6 +107,10 @@ class DataOptions(Options):
         "epochs skip that work: memory (shared memory; what the flag alone means) or disk (files in "
         "RUN_DIR/data-cache, for data larger than memory, found again by a resumed run)")
 
+    data_cache_mb: int = option(
+        0, "keep local copies of the objects a Dataset reads from object storage (s3://...), at most this many MB, "
+        "in RUN_DIR/data-cache/objects (shared by a host's ranks, least recently used first out): later epochs "
+        "read them instead; 0: read every time", ge=0, metavar="MB")
     bad_samples: Literal["stop", "skip"] = option(
         "stop", "a sample of a Dataset that cannot be read or decoded (a corrupt image, a file gone): stop: exit 1 "
         "naming it, the rank and the error (the last checkpoint kept); skip: train its batch without it and list it "

@@ -93,6 +93,8 @@ class RunDir:
     sample_ids = property(lambda self: self.path / "sample_ids")  # --log-sample-ids
     sample_attempts_path = property(lambda self: self.sample_ids / "attempts.jsonl")  # one line a start
 
+    # --data-cache-mb: copies of objects read from object storage, shared by the host's ranks
+    object_cache = property(lambda self: self.path / "data-cache" / "objects")
     bad_samples = property(lambda self: self.path / "bad_samples")  # --bad-samples skip: what was left out
 
     def bad_samples_path(self, rank: int) -> Path:

@@ -16,14 +16,21 @@ feeds bit-identical tensors, and a run's tensors can be recomputed from its samp
 ``ROOT/.mlscale/listing.json`` (else, where the tree is read-only, under ``$MLSCALE_CACHE_DIR`` or
 ``~/.cache/mlscale/listings``), with each class folder's modification time; a folder changed since (a file
 added, removed or renamed in it) makes the listing again.
+
+*Object storage.* ``root`` may be an fsspec URL (``s3://bucket/prefix``; ``storage.Store``): listed once and
+kept under ``$MLSCALE_CACHE_DIR`` (or ``~/.cache/mlscale``) ``/listings`` for ``LISTING_MAX_AGE_S`` (a prefix
+has no modification time to check), objects read with retries, their bytes kept in a local folder bounded
+in bytes when the run asks (``--data-cache-mb``: ``use_object_cache``).
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +39,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from mlscale.data.storage import ObjectCache, Store, is_remote
 from mlscale.errors import UsageError
 from mlscale.io import atomic_write_json
 
@@ -49,8 +57,11 @@ class Listing:
     labels: list[int]
 
     @classmethod
-    def of(cls, root: Path) -> Listing:
+    def of(cls, root: Path | str) -> Listing:
         """The tree's listing, from its kept copy when no class folder changed since, else made and kept."""
+        if is_remote(root):
+            return cls.of_store(Store(str(root)))
+        root = Path(root)
         if not root.is_dir():
             raise UsageError(f"bad value root={str(root)!r}: not a folder of class folders")
         classes = sorted(entry.name for entry in os.scandir(root) if entry.is_dir() and not entry.name.startswith("."))
@@ -77,11 +88,39 @@ class Listing:
         return listing
 
 
+    @classmethod
+    def of_store(cls, store: Store) -> Listing:
+        """An object-storage prefix's listing: kept for ``LISTING_MAX_AGE_S``, else listed (one walk)."""
+        kept = _cache_base() / (hashlib.sha256(store.root.encode()).hexdigest()[:16] + ".json")
+        try:
+            saved = json.loads(kept.read_text())
+            if saved.get("root") == store.root and time.time() - saved.get("made", 0) < LISTING_MAX_AGE_S:
+                return cls(saved["classes"], saved["files"], saved["labels"])
+        except (OSError, ValueError, KeyError):
+            pass
+        tree = {folder: [name for name in names if name.lower().endswith(EXTENSIONS)]
+                for folder, names in store.walk().items()}
+        classes = sorted(folder for folder, names in tree.items() if names)
+        if not classes:
+            raise UsageError(f"bad value root={store.root!r}: no {', '.join(EXTENSIONS)} objects under CLASS/ "
+                             "prefixes in it")
+        files = [f"{name}/{file}" for name in classes for file in tree[name]]
+        labels = [label for label, name in enumerate(classes) for _ in tree[name]]
+        _keep(kept, {"root": store.root, "made": time.time(), "classes": classes, "files": files, "labels": labels})
+        return cls(classes, files, labels)
+
+
+LISTING_MAX_AGE_S = 3600.0
+
+
+def _cache_base() -> Path:
+    return Path(os.environ.get("MLSCALE_CACHE_DIR") or Path.home() / ".cache" / "mlscale") / "listings"
+
+
 def _kept_path(root: Path) -> Path:
     if os.access(root, os.W_OK):
         return root / ".mlscale" / "listing.json"
-    base = Path(os.environ.get("MLSCALE_CACHE_DIR") or Path.home() / ".cache" / "mlscale") / "listings"
-    return base / (hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:16] + ".json")
+    return _cache_base() / (hashlib.sha256(str(root.resolve()).encode()).hexdigest()[:16] + ".json")
 
 
 def _keep(path: Path, listing: dict[str, Any]) -> None:
@@ -142,8 +181,10 @@ class ImageFolder(Dataset[tuple[torch.Tensor, int]]):
                  transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         if size < 8:
             raise UsageError(f"bad value size={size}: an image crop of at least 8 pixels")
-        self.root, self.size, self.train, self.seed = Path(root), size, train, seed
-        self.listing = Listing.of(self.root)
+        self.remote = is_remote(root)
+        self.root, self.size, self.train, self.seed = (str(root) if self.remote else Path(root)), size, train, seed
+        self.store = Store(str(root)) if self.remote else None
+        self.listing = Listing.of_store(self.store) if self.store is not None else Listing.of(self.root)
         self.indices = list(indices) if indices is not None else list(range(len(self.listing.files)))
         self.mean = torch.tensor(mean, dtype=torch.float32).view(3, 1, 1)
         self.std = torch.tensor(std, dtype=torch.float32).view(3, 1, 1)
@@ -159,8 +200,18 @@ class ImageFolder(Dataset[tuple[torch.Tensor, int]]):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
         return self.item_for_epoch(index, 0)
 
-    def file(self, index: int) -> Path:
-        return self.root / self.listing.files[self.indices[index]]
+    def file(self, index: int) -> Path | io.BytesIO:
+        """What Pillow opens: the file's path, or an object's bytes (from the local copy when kept)."""
+        relative = self.listing.files[self.indices[index]]
+        if self.store is not None:
+            return io.BytesIO(self.store.read(relative))
+        return Path(self.root) / relative
+
+    def use_object_cache(self, directory: Path, limit_bytes: int) -> None:
+        """Keep the bytes of the objects read in ``directory``, at most ``limit_bytes`` (``--data-cache-mb``);
+        nothing to keep for a local folder."""
+        if self.store is not None:
+            self.store.cache = ObjectCache(directory, limit_bytes)
 
     def item_for_epoch(self, index: int, epoch: int) -> tuple[torch.Tensor, int]:
         """Item ``index`` as epoch ``epoch`` sees it (its augmentation drawn from ``(seed, epoch, index)``); a
@@ -170,7 +221,7 @@ class ImageFolder(Dataset[tuple[torch.Tensor, int]]):
         try:
             return self._decode(index, epoch, Image)
         except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as exc:  # Pillow's ways of failing
-            raise ValueError(f"cannot decode {self.listing.files[self.indices[index]]} ({type(exc).__name__}: "
+            raise ValueError(f"cannot read or decode {self.listing.files[self.indices[index]]} ({type(exc).__name__}: "
                              f"{str(exc).splitlines()[0] if str(exc) else 'no detail'})") from None
 
     def _decode(self, index: int, epoch: int, Image: Any) -> tuple[torch.Tensor, int]:

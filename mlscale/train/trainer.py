@@ -100,6 +100,9 @@ class Trainer:
         self.train_data = self.task.train_data().to(self.dtype)
         if isinstance(self.train_data, MapData):
             self.train_data = self.train_data.skipping(config.data.bad_samples == "skip")
+            keep_objects = getattr(self.train_data.dataset, "use_object_cache", None)
+            if config.data.data_cache_mb and callable(keep_objects):
+                keep_objects(run_dir.object_cache, config.data.data_cache_mb * 2**20)
         strategy_type = strategy_for(config)
         self.shard = plan.shard_of(env.rank, env.replica)  # None: reads no data
         self.shards = plan.data_shards

@@ -86,6 +86,6 @@ def test_a_corrupt_image_is_named_with_its_sample(tmp_path):
     root = write_image_folder(tmp_path / "tree", classes=2, per_class=4)
     (root / "class_0" / "img_00002.jpg").write_bytes(b"\xff\xd8\xff\xe0 truncated")
     data = MapData(ImageFolder(root, size=16))
-    with pytest.raises(SampleError, match=r"sample 2 of the training Dataset: ValueError: cannot decode "
+    with pytest.raises(SampleError, match=r"sample 2 of the training Dataset: ValueError: cannot read or decode "
                                           r"class_0/img_00002\.jpg"):
         data.batch([0, 1, 2])
