@@ -30,7 +30,8 @@ def s3(tmp_path_factory):
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     environ = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
-               "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+               "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+               "MLSCALE_CACHE_DIR": str(tmp_path_factory.mktemp("listings"))}
     saved = {key: os.environ.get(key) for key in environ}
     os.environ.update(environ)
     local = write_image_folder(tmp_path_factory.mktemp("images") / "tree", classes=3, per_class=12, seed=2)
@@ -39,7 +40,6 @@ def s3(tmp_path_factory):
     fs = s3fs.S3FileSystem(skip_instance_cache=True)
     fs.mkdir("bucket")
     fs.put(str(local), "bucket/tree", recursive=True)
-    os.environ["MLSCALE_CACHE_DIR"] = str(tmp_path_factory.mktemp("listings"))
     yield local, fs, environ
     server.stop()
     for key, value in saved.items():
