@@ -155,9 +155,11 @@ class _Window:
 INPUT_BOUND_SHARE = 0.10  # data wait past this share of a step: the input pipeline, not the model, sets the pace
 
 
-def input_bound(per_rank: Sequence[dict[str, float]], config: TrainConfig, suffix: str = "_p50") -> dict[str, Any]:
+def input_bound(per_rank: Sequence[dict[str, float]], config: TrainConfig, suffix: str = "_p50",
+                cacheable: bool = True) -> dict[str, Any]:
     """Whether the run waits on its input: the largest share of a step a data rank spent waiting for its
-    batch, the rank, and what to try (the options this run did not use yet)."""
+    batch, the rank, and what to try (the options this run did not use yet; ``cacheable``: its samples are
+    the same every epoch, so a cache can keep them)."""
     shares = {int(row["rank"]): row[f"data_wait_ms{suffix}"] / row[f"step_ms{suffix}"]
               for row in per_rank if row.get(f"step_ms{suffix}")}
     if not shares:
@@ -166,15 +168,15 @@ def input_bound(per_rank: Sequence[dict[str, float]], config: TrainConfig, suffi
     verdict: dict[str, Any] = {"bound": shares[rank] > INPUT_BOUND_SHARE, "data_wait_share": round(shares[rank], 4),
                                "rank": rank}
     if verdict["bound"]:
-        verdict["advice"] = input_advice(config)
+        verdict["advice"] = input_advice(config, cacheable)
     return verdict
 
 
-def input_advice(config: TrainConfig) -> str:
+def input_advice(config: TrainConfig, cacheable: bool = True) -> str:
     data = config.data
     if data.data_workers == 0:
         return "load in parallel: --data-workers auto"
-    if data.data_cache == "none":
+    if data.data_cache == "none" and cacheable:
         return ("keep what is decoded: --data-cache memory|disk (deterministic samples), or give the data workers "
                 "more cores")
     return "give the data workers more cores (fewer training processes per host), or make samples cheaper to read"
@@ -366,7 +368,8 @@ class Records:
             "recovery": {**recovery_summary(self.run_dir), **strategy_report.pop("recovery", {})},
             "checkpoint": trainer.checkpoint,
             "per_rank": per_rank,
-            "data": {**trainer.data, "input_bound": input_bound(per_rank, config)},
+            "data": {**trainer.data, "input_bound": input_bound(per_rank, config,
+                                                                cacheable=not trainer.data.get("per_epoch"))},
             "features": trainer.features,
             "memory": memory,
             "stragglers": sorted(self.stragglers.first_flagged),

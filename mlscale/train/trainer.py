@@ -451,6 +451,7 @@ class Trainer:
         if isinstance(self.train_data, MapData):
             report["bad_samples"] = bad_samples(self.run_dir)
             report.update(source="dataset", dataset=type(self.train_data.dataset).__name__,
+                          per_epoch=self.train_data.per_epoch,
                           collate=type(self.task.collate).__name__ if self.task.collate else "stack")
         if isinstance(self.train_data, ParquetData):
             report.update(source="parquet", files=len(self.train_data.files),
