@@ -16,9 +16,13 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
     python3 -m pip install -q --no-index --find-links "$WHEELS" pydantic sqlalchemy starlette 'uvicorn[standard]' \
         orjson 'protobuf==6.33.6' 2>&1 | grep -v -i warning | tail -3
     python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.device_count(), 'device(s)')"
-    timeout 420 python3 -m pytest -q -rs -s -m gpu -p no:cacheprovider tests/gpu
+    # the quick checks first, then the serving benchmark (minutes): a limit reached there loses nothing else
+    timeout "${GPU_TESTS_S:-240}" python3 -m pytest -q -rs -s -m gpu -p no:cacheprovider tests/gpu -k "not serving"
     echo "pytest exit $?"
+    timeout "${SERVE_TESTS_S:-200}" python3 -m pytest -q -rs -s -m gpu -p no:cacheprovider tests/gpu -k serving
+    echo "pytest (serving) exit $?"
 } 2>&1 | tee "$OUT/gpu.log"
 if [ -n "${BENCH_DATA:-}" ]; then  # the loaders on a host with many cores: mlscale vs torch's DataLoader
-    timeout 240 python3 -m mlscale bench data $BENCH_DATA --out "$OUT" 2>&1 | tail -30 | tee -a "$OUT/gpu.log"
+    timeout "${BENCH_DATA_S:-150}" python3 -m mlscale bench data $BENCH_DATA --out "$OUT" 2>&1 | tail -30 \
+        | tee -a "$OUT/gpu.log"
 fi
