@@ -55,6 +55,8 @@ BENCHMARKS = {
     "serve": ("mlscale.bench.serve", "serving goodput at an SLO vs LitServe, FastAPI and offline"),
     "serve-scale": ("mlscale.bench.serve_scale", "serving goodput by workers per host vs LitServe; a shadow's "
                     "cost to p99; a canary's split"),
+    "serve-lengths": ("mlscale.bench.serve_lengths", "requests of different sequence lengths (BERT): padded to the "
+                      "batch's longest vs grouped by length vs no batching"),
     "features": ("mlscale.bench.features", "point-in-time retrieval vs pandas merge_asof; SQLite and Redis lookups"),
     "ui": ("mlscale.bench.ui", "mlscale ui's page load for a run of 100,000 steps on 64 ranks, cold and warm"),
     "hostile": ("mlscale.bench.hostile_bench", "a normal client's p99 and the server's memory under slow, idle and "
