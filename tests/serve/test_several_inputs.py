@@ -126,7 +126,7 @@ def test_requests_of_different_lengths_share_batches_and_each_gets_its_own_answe
         np.testing.assert_allclose(grpc_answer, expected, rtol=1e-4, atol=1e-5)
 
 
-def test_plain_json_takes_both_inputs_in_any_order_and_a_request_lacking_one_or_disagreeing_is_a_400(location):
+def test_plain_json_takes_both_inputs_in_any_order_the_cache_keys_both_and_a_request_lacking_one_is_a_400(location):
     registry = Registry(location)
     model = load_torch_model(registry, registry.resolve("models:/bert/1"))
     request = _requests(6)[5]
@@ -143,6 +143,10 @@ def test_plain_json_takes_both_inputs_in_any_order_and_a_request_lacking_one_or_
         np.testing.assert_allclose(np.reshape(output["data"], output["shape"]), _alone(model, request), rtol=1e-4,
                                    atol=1e-5)
         client = httpclient.InferenceServerClient(base.removeprefix("http://"))
+        binary = [client.infer("bert", [_input(name, array) for name, array in request.items()]).as_numpy("output")
+                  for _ in range(2)]  # the same inputs as the JSON request: its cached answer (keyed by every input)
+        assert np.array_equal(binary[0], binary[1]) and np.allclose(binary[0], np.reshape(output["data"], output["shape"]))
+        assert metric(base, "mlscale_cache_num_hits_per_model_total", model="bert", version="1") == 2
         for inputs, says in cases:
             with pytest.raises(InferenceServerException, match=says):
                 client.infer("bert", [_input(name, array) for name, array in inputs.items()])
