@@ -14,6 +14,7 @@ from mlscale.tasks.featured import make_features
 from mlscale.tasks.images import make_images
 from mlscale.tasks.synthetic import make_synthetic
 from mlscale.tasks.tabular import make_parquet
+from mlscale.tasks.text import make_text
 from mlscale.tasks.tinylm import make_tinylm
 
 __all__ = ["BUILTIN_TASKS", "Task", "TensorData", "declare_task", "make_task"]
@@ -26,6 +27,7 @@ BUILTIN_TASKS: dict[str, Callable[..., Task]] = {
     "parquet": make_parquet,
     "features": make_features,
     "images": make_images,
+    "text": make_text,
 }
 
 

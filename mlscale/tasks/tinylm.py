@@ -79,10 +79,14 @@ class Attention(nn.Module):
         self.wq, self.wk, self.wv = (nn.Linear(dim, dim, bias=False) for _ in range(3))
         self.wo = nn.Linear(dim, dim, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask``: where a query may attend (batch x 1 x seq x seq, causal already); None: causal."""
         batch, length, _ = x.shape
         q, k, v = (w(x).view(batch, length, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.wo(out.transpose(1, 2).reshape(batch, length, -1))
 
 
@@ -101,8 +105,8 @@ class Block(nn.Module):
         self.attention_norm, self.attention = nn.LayerNorm(dim), Attention(dim, heads)
         self.ffn_norm, self.feed_forward = nn.LayerNorm(dim), FeedForward(dim, hidden)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x))
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), mask)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -131,12 +135,29 @@ class TinyLM(nn.Module):
             elif name.endswith("weight"):  # a norm's scale
                 nn.init.ones_(param)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        x = self.tok_embeddings(tokens) + self.pos_embeddings(positions)
-        for block in self.layers.values():
-            x = block(x)
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``position_ids`` (packed text: they start again at 0 where a document starts): positions from them,
+        and attention kept within each document; without them, one sequence of positions 0..n-1."""
+        if position_ids is None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+            x = self.tok_embeddings(input_ids) + self.pos_embeddings(positions)
+            for block in self.layers.values():
+                x = block(x)
+        else:
+            x = self.tok_embeddings(input_ids) + self.pos_embeddings(position_ids)
+            mask = document_mask(position_ids)
+            for block in self.layers.values():
+                x = block(x, mask)
         return self.output(self.norm(x))
+
+
+def document_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """Causal attention within documents: query i may see key j <= i of the same document (a document
+    starts where its position is 0). batch x 1 x seq x seq, boolean."""
+    documents = torch.cumsum((position_ids == 0).long(), dim=1)
+    length = position_ids.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=position_ids.device).tril()
+    return ((documents.unsqueeze(2) == documents.unsqueeze(1)) & causal).unsqueeze(1)
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -145,7 +166,8 @@ def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
 
 def language_metrics(logits: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
     loss = next_token_loss(logits, targets).item()
-    accuracy = (logits.argmax(dim=-1) == targets).double().mean().item()
+    scored = targets != -100  # (packed text: a document's first token is not predicted)
+    accuracy = (logits.argmax(dim=-1) == targets)[scored].double().mean().item()
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "accuracy": accuracy}
 
 
