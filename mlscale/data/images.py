@@ -170,25 +170,76 @@ def centre_crop(width: int, height: int) -> tuple[int, int, int, int]:
     return left, top, left + side, top + side
 
 
-class ImageFolder(Dataset[tuple[torch.Tensor, int]]):
-    """``root/CLASS/IMAGE`` files as ``(3 x size x size float32 image, label)`` items; ``train``: a random
-    resized crop and flip per ``(seed, epoch, index)``, else a centre crop. ``indices`` keeps a subset of the
-    listing (a held-out split); ``transform`` is the user's own, applied to the normalised tensor."""
+class AugmentedImages(Dataset[tuple[torch.Tensor, int]]):
+    """Encoded images as ``(3 x size x size float32 image, label)`` items; ``train``: a random resized crop and
+    flip per ``(seed, epoch, index)``, else a centre crop; ``transform`` is the user's own, applied to the
+    normalised tensor. Subclasses say where item ``index``'s bytes are (``file``), its name and its label."""
+
+    def __init__(self, size: int, train: bool, seed: int, mean: Sequence[float], std: Sequence[float],
+                 transform: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+        if size < 8:
+            raise UsageError(f"bad value size={size}: an image crop of at least 8 pixels")
+        self.size, self.train, self.seed = size, train, seed
+        self.mean = torch.tensor(mean, dtype=torch.float32).view(3, 1, 1)
+        self.std = torch.tensor(std, dtype=torch.float32).view(3, 1, 1)
+        self.transform = transform
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def file(self, index: int) -> Path | io.BytesIO:
+        """What Pillow opens for item ``index``: a path, or the bytes."""
+        raise NotImplementedError
+
+    def name_of(self, index: int) -> str:
+        """Item ``index``'s file as the user knows it (in error messages)."""
+        raise NotImplementedError
+
+    def label_of(self, index: int) -> int:
+        raise NotImplementedError
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
+        return self.item_for_epoch(index, 0)
+
+    def item_for_epoch(self, index: int, epoch: int) -> tuple[torch.Tensor, int]:
+        """Item ``index`` as epoch ``epoch`` sees it (its augmentation drawn from ``(seed, epoch, index)``); a
+        file that cannot be read or decoded is a ``ValueError`` naming it."""
+        from PIL import Image, UnidentifiedImageError
+
+        try:
+            return self._decode(index, epoch, Image), self.label_of(index)
+        except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as exc:  # Pillow's ways of failing
+            detail = str(exc).splitlines()[0] if str(exc) else "no detail"
+            raise ValueError(f"cannot read or decode {self.name_of(index)} ({type(exc).__name__}: {detail})") from None
+
+    def _decode(self, index: int, epoch: int, Image: Any) -> torch.Tensor:
+        with Image.open(self.file(index)) as image:
+            image.draft("RGB", (self.size, self.size))  # JPEG: decode at a reduced scale when it still covers
+            image = image.convert("RGB")
+            box = random_resized_crop(*image.size, sample_generator(self.seed, epoch, index)) if self.train \
+                else centre_crop(*image.size)
+            image = image.resize((self.size, self.size), Image.Resampling.BILINEAR, box=box)
+            if self.train and bool(torch.rand(1, generator=sample_generator(self.seed + 1, epoch, index)) < 0.5):
+                image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+            pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8)
+        tensor = pixels.view(self.size, self.size, 3).permute(2, 0, 1).float().div_(255).sub_(self.mean).div_(self.std)
+        return self.transform(tensor) if self.transform is not None else tensor
+
+
+class ImageFolder(AugmentedImages):
+    """``root/CLASS/IMAGE`` files (``AugmentedImages``); ``indices`` keeps a subset of the listing (a held-out
+    split)."""
 
     def __init__(self, root: str | Path, size: int = 64, *, train: bool = True, seed: int = 0,
                  indices: Sequence[int] | None = None, mean: Sequence[float] = IMAGENET_MEAN,
                  std: Sequence[float] = IMAGENET_STD,
                  transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        if size < 8:
-            raise UsageError(f"bad value size={size}: an image crop of at least 8 pixels")
+        super().__init__(size, train, seed, mean, std, transform)
         self.remote = is_remote(root)
-        self.root, self.size, self.train, self.seed = (str(root) if self.remote else Path(root)), size, train, seed
+        self.root = str(root) if self.remote else Path(root)
         self.store = Store(str(root)) if self.remote else None
         self.listing = Listing.of_store(self.store) if self.store is not None else Listing.of(self.root)
         self.indices = list(indices) if indices is not None else list(range(len(self.listing.files)))
-        self.mean = torch.tensor(mean, dtype=torch.float32).view(3, 1, 1)
-        self.std = torch.tensor(std, dtype=torch.float32).view(3, 1, 1)
-        self.transform = transform
 
     @property
     def classes(self) -> list[str]:
@@ -197,8 +248,11 @@ class ImageFolder(Dataset[tuple[torch.Tensor, int]]):
     def __len__(self) -> int:
         return len(self.indices)
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        return self.item_for_epoch(index, 0)
+    def name_of(self, index: int) -> str:
+        return self.listing.files[self.indices[index]]
+
+    def label_of(self, index: int) -> int:
+        return self.listing.labels[self.indices[index]]
 
     def file(self, index: int) -> Path | io.BytesIO:
         """What Pillow opens: the file's path, or an object's bytes (from the local copy when kept)."""
@@ -212,33 +266,6 @@ class ImageFolder(Dataset[tuple[torch.Tensor, int]]):
         nothing to keep for a local folder."""
         if self.store is not None:
             self.store.cache = ObjectCache(directory, limit_bytes)
-
-    def item_for_epoch(self, index: int, epoch: int) -> tuple[torch.Tensor, int]:
-        """Item ``index`` as epoch ``epoch`` sees it (its augmentation drawn from ``(seed, epoch, index)``); a
-        file that cannot be read or decoded is a ``ValueError`` naming it."""
-        from PIL import Image, UnidentifiedImageError
-
-        try:
-            return self._decode(index, epoch, Image)
-        except (OSError, UnidentifiedImageError, SyntaxError, ValueError) as exc:  # Pillow's ways of failing
-            raise ValueError(f"cannot read or decode {self.listing.files[self.indices[index]]} ({type(exc).__name__}: "
-                             f"{str(exc).splitlines()[0] if str(exc) else 'no detail'})") from None
-
-    def _decode(self, index: int, epoch: int, Image: Any) -> tuple[torch.Tensor, int]:
-        path = self.file(index)
-        with Image.open(path) as image:
-            image.draft("RGB", (self.size, self.size))  # JPEG: decode at a reduced scale when it still covers
-            image = image.convert("RGB")
-            box = random_resized_crop(*image.size, sample_generator(self.seed, epoch, index)) if self.train \
-                else centre_crop(*image.size)
-            image = image.resize((self.size, self.size), Image.Resampling.BILINEAR, box=box)
-            if self.train and bool(torch.rand(1, generator=sample_generator(self.seed + 1, epoch, index)) < 0.5):
-                image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-            pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8)
-        tensor = pixels.view(self.size, self.size, 3).permute(2, 0, 1).float().div_(255).sub_(self.mean).div_(self.std)
-        if self.transform is not None:
-            tensor = self.transform(tensor)
-        return tensor, self.listing.labels[self.indices[index]]
 
 
 def write_image_folder(root: str | Path, classes: int = 4, per_class: int = 50, seed: int = 0,
@@ -267,4 +294,5 @@ def write_image_folder(root: str | Path, classes: int = 4, per_class: int = 50, 
     return root
 
 
-__all__ = ["ImageFolder", "Listing", "centre_crop", "random_resized_crop", "sample_generator", "write_image_folder"]
+__all__ = ["AugmentedImages", "ImageFolder", "Listing", "centre_crop", "random_resized_crop", "sample_generator",
+           "write_image_folder"]
