@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from mlscale.data.images import ImageFolder
+from mlscale.data.shards import TarShards
 from mlscale.errors import UsageError
 from mlscale.tasks.base import Task
 
@@ -55,10 +56,14 @@ class ResNet(nn.Module):
 
 
 def make_images(root: str = "", size: int = 64, eval_root: str = "", width: int = 16, stages: int = 3,
-                blocks: int = 1, seed: int = 0) -> Task:
-    """A ResNet-style CNN on ``root``'s images, crops of ``size`` pixels; ``seed`` draws the augmentation."""
+                blocks: int = 1, seed: int = 0, shards: str = "") -> Task:
+    """A ResNet-style CNN on ``root``'s images (or ``shards``: WebDataset tar shards, a folder, glob or URL),
+    crops of ``size`` pixels; ``seed`` draws the augmentation."""
+    if shards:
+        return _on_shards(shards, size, width, stages, blocks, seed)
     if not root:
-        raise UsageError("--task images needs --task-opt root=DIR (a folder of class folders of JPEG/PNG files)")
+        raise UsageError("--task images needs --task-opt root=DIR (a folder of class folders of JPEG/PNG files) "
+                         "or --task-opt shards=DIR|GLOB|URL (WebDataset tar shards)")
     listing = ImageFolder(root, size, seed=seed).listing
     if eval_root:
         train = ImageFolder(root, size, seed=seed)
@@ -72,3 +77,13 @@ def make_images(root: str = "", size: int = 64, eval_root: str = "", width: int 
     classes = len(listing.classes)
     return Task(name="images", build_model=lambda: ResNet(classes, width, stages, blocks), train=train,
                 eval=held_out, info={"classes": listing.classes, "size": size})
+
+
+def _on_shards(shards: str, size: int, width: int, stages: int, blocks: int, seed: int) -> Task:
+    everything = TarShards(shards, size, seed=seed)
+    every = range(len(everything))
+    train = TarShards(shards, size, seed=seed, indices=[i for i in every if i % HELD_OUT_EVERY])
+    held_out = TarShards(shards, size, train=False, indices=[i for i in every if i % HELD_OUT_EVERY == 0])
+    classes = int(everything.index.label.max()) + 1
+    return Task(name="images", build_model=lambda: ResNet(classes, width, stages, blocks), train=train,
+                eval=held_out, info={"classes": classes, "size": size, "shards": len(everything.index.shards)})

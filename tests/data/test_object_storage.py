@@ -115,3 +115,16 @@ def test_two_workers_train_on_images_in_a_bucket_with_data_workers(s3, tmp_path)
     assert report["data"]["dataset"] == "ImageFolder" and report["steps"] == 8  # 32 training images / (2 x 4), x 2
     copies = list(Path(run_dir / "data-cache" / "objects").iterdir())
     assert 32 <= len(copies) <= 36  # each training object once (and the held-out ones the eval may read)
+
+
+def test_tar_shards_in_a_bucket_read_their_members_by_range_like_local_shards(s3, tmp_path):
+    from mlscale.data.shards import TarShards, write_tar_shards
+
+    local, fs, _ = s3
+    shards = write_tar_shards(local, tmp_path / "shards", per_shard=10)
+    for path in shards:
+        fs.put(str(path), f"bucket/shards/{path.name}")
+    remote, here = TarShards("s3://bucket/shards", size=16, seed=1), TarShards(tmp_path / "shards", size=16, seed=1)
+    assert len(remote) == len(here) == 36 and remote.index.names == here.index.names
+    for index in (0, 11, 35):
+        assert torch.equal(remote.item_for_epoch(index, 1)[0], here.item_for_epoch(index, 1)[0])
