@@ -83,6 +83,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    "run directory and its checkpoints, shared by every pod (needed for more than one node)")
     p.add_argument("--data-volume", metavar="CLAIM", help="a PersistentVolumeClaim mounted read-only at /mnt/data in "
                    "every pod, for the files the config's task reads (name them under /mnt/data in the config)")
+    p.add_argument("--data-secret", metavar="SECRET", help="a Secret whose keys are set as environment variables "
+                   "in every pod: credentials for data in object storage (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
+                   "AWS_ENDPOINT_URL for s3://), kept out of the manifest")
     p.add_argument("--max-restarts", type=int, metavar="R", help="torchrun's worker restarts per pod (default: "
                    "the config's max_restarts)")
     p.add_argument("--backoff-limit", type=int, default=3, metavar="B",
@@ -169,7 +172,8 @@ def _train(args: argparse.Namespace) -> int:
     job, notes = render_training_job(
         config_path=args.config, nodes=args.nodes, gpus_per_node=args.gpus_per_node,
         procs_per_node=args.procs_per_node, image=args.image, name=args.name, namespace=args.namespace,
-        checkpoint_claim=args.checkpoint_volume, data_claim=args.data_volume, max_restarts=args.max_restarts,
+        checkpoint_claim=args.checkpoint_volume, data_claim=args.data_volume, data_secret=args.data_secret,
+        max_restarts=args.max_restarts,
         backoff_limit_per_index=args.backoff_limit, cpu=args.cpu, memory=args.memory, register=args.register,
         registry_secret=args.registry_secret, cluster_domain=args.cluster_domain,
         rendezvous_timeout_s=args.rendezvous_timeout_s)

@@ -67,6 +67,9 @@ class TrainingJob:
     namespace: str | None = None
     checkpoint_claim: str | None = None
     data_claim: str | None = None  # read-only at /mnt/data: the files a config's task reads (Parquet, entities)
+    # A Secret whose keys become the environment of the check and the trainer: object storage credentials
+    # (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL) for a task reading s3://, never in the manifest.
+    data_secret: str | None = None
     max_restarts: int = 0
     backoff_limit_per_index: int = 3
     cpu: str | None = None
@@ -91,6 +94,7 @@ class TrainingJob:
         if self.namespace is not None:
             check_name("namespace", self.namespace)
         for flag, name in (("checkpoint-volume", self.checkpoint_claim), ("data-volume", self.data_claim),
+                           ("data-secret", self.data_secret),
                            ("registry-secret", self.registry_secret), ("cluster-domain", self.cluster_domain)):
             check_reference(flag, name)
         check_quantity("cpu", self.cpu, "cpu")
@@ -238,6 +242,8 @@ def _job(job: TrainingJob) -> Manifest:
     trainer = {"name": TRAIN_CONTAINER, "image": job.image, "command": torchrun_command(job), "env": env,
                "ports": [{"name": "rendezvous", "containerPort": RENDEZVOUS_PORT}],
                "volumeMounts": mounts}
+    if job.data_secret:  # the check lists the data too (a missing bucket fails the Job at once)
+        check["envFrom"] = trainer["envFrom"] = [{"secretRef": {"name": job.data_secret}}]
     if pod_resources:  # the check too: it sees the devices the run will (a pod reserves the larger, not the sum)
         check["resources"] = trainer["resources"] = pod_resources
     pod_labels = labels(job.name, "training")

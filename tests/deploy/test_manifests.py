@@ -35,6 +35,8 @@ CASES = {
                   "--memory", "256Gi", "--register", "digits", "--data-volume", "mlscale-data"],
     "train-cpu": ["k8s", "train", "--config", "examples/digits.toml", "--nodes", "2", "--cpu", "4", "--memory", "8Gi",
                   "--image", IMAGE, "--checkpoint-volume", "mlscale-runs"],
+    "train-s3": ["k8s", "train", "--config", "examples/images-s3.toml", "--nodes", "2", "--cpu", "8", "--memory",
+                 "16Gi", "--image", IMAGE, "--checkpoint-volume", "mlscale-runs", "--data-secret", "s3-credentials"],
     "serve": ["k8s", "serve", "models:/digits@production", "--image", IMAGE, "--replicas", "2"],
     "serve-pending": ["k8s", "serve", "models:/digits@production", "--image", IMAGE, "--replicas", "3",
                       "--max-replicas", "12", "--autoscale", "pending-requests", "--namespace", "ml", "--gpus", "1",
@@ -134,6 +136,19 @@ def test_the_job_carries_the_configs_text_and_restarts(rendered):
     assert registry["valueFrom"]["secretKeyRef"] == {"name": "mlscale-registry", "key": "url"}
 
 
+def test_a_job_reading_object_storage_takes_its_credentials_from_a_secret_it_only_names(rendered):
+    import yaml
+
+    (job,) = [doc for path in sorted(rendered["train-s3"].iterdir()) for doc in yaml.safe_load_all(path.read_text())
+              if doc["kind"] == "Job"]
+    pod = job["spec"]["template"]["spec"]
+    for container in [*pod["initContainers"], *pod["containers"]]:
+        assert container["envFrom"] == [{"secretRef": {"name": "s3-credentials"}}], container["name"]
+        assert not [env for env in container.get("env", []) if env["name"].startswith("AWS_")]  # only the Secret's
+    text = "".join(path.read_text() for path in rendered["train-s3"].iterdir())
+    assert "s3://training-data/images/train/shard-*.tar" in text
+
+
 def test_a_job_and_a_deployment_of_one_model_do_not_share_an_object_name(rendered):
     """The guide's flow, train then serve in one namespace: their default names must not collide."""
     objects = [(m["kind"], m["metadata"]["name"]) for case in ("train-cpu", "serve")
@@ -222,6 +237,7 @@ def test_the_scale_out_guide_renders_what_it_says_and_it_validates(tmp_path):
     kinds = {folder.name: sorted(p.name.split("-")[0] for p in folder.iterdir())
              for folder in (tmp_path / "k8s").iterdir()}
     assert kinds == {"train": ["configmap", "job", "networkpolicy", "service"],
+                     "train-s3": ["configmap", "job", "networkpolicy", "service"],
                      "serve": ["deployment", "horizontalpodautoscaler", "poddisruptionbudget", "service"],
                      "serve-queue": ["deployment", "horizontalpodautoscaler", "poddisruptionbudget", "service"]}
     assert result.stdout.count(" passed for resource ") == 4  # the guide's own kubernetes-validate run
