@@ -48,7 +48,8 @@ BENCHMARKS = {
     "train": ("mlscale.bench.train", "our trainer vs a plain hand-written DDP loop"),
     "model-parallel": ("mlscale.bench.model_parallel", "pipeline bubble vs (P-1)/(M+P-1); memory per rank, "
                        "ddp vs fsdp vs pipeline"),
-    "data": ("mlscale.bench.data", "input pipeline: data wait and samples/s, naive vs workers vs cache"),
+    "data": ("mlscale.bench.data", "input pipeline: data wait, naive vs workers vs cache; a user's Dataset's "
+             "batches/s, mlscale's loaders vs a plain DataLoader; a mid-epoch resume's time to first step vs fresh"),
     "checkpoint": ("mlscale.bench.checkpoint", "training stall of checkpointing, blocking vs async"),
     "recovery": ("mlscale.bench.recovery", "one failure: restart-all vs per-step fault tolerance (torchft)"),
     "export": ("mlscale.bench.export", "inference latency, onnxruntime vs eager torch, digits models"),
