@@ -205,7 +205,13 @@ class StreamLoader:
         return inputs, targets
 
     def close(self) -> None:
-        self.__dict__.pop("_iterator", None)  # stops the worker processes
+        """Stop the worker processes now (persistent workers stay up while the DataLoader holds its iterator,
+        which would be until the garbage collector finds it)."""
+        iterator = self.__dict__.pop("_iterator", None)
+        shutdown = getattr(iterator, "_shutdown_workers", None)
+        if callable(shutdown):
+            shutdown()
+        self._loader._iterator = None
 
 
 class PipelineLoader(StreamLoader):

@@ -56,7 +56,10 @@ def fit(config: TrainConfig, *, keep_group: bool = False) -> dict[str, Any]:
     if config.run_dir is None:
         config = config.model_copy(update={"run_dir": default_run_dir(config.task)})
     run_dir = RunDir(config.run_dir)
-    os.environ.setdefault(JOB_START_ENV, str(time.time()))
+    if under_launcher():
+        os.environ.setdefault(JOB_START_ENV, str(time.time()))  # torchrun's ranks: whoever set it first
+    else:
+        os.environ[JOB_START_ENV] = str(time.time())  # this call starts the job (a second fit() starts another)
     if under_launcher():
         return _run_here(config, plan, run_dir, rank=member_from_environ(plan.replica_groups), keep_group=keep_group)
     with _unchanged_unless_it_trains(run_dir):

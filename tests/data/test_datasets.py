@@ -193,3 +193,27 @@ def test_a_sample_left_out_under_bad_samples_skip_is_noted_and_its_batch_trains_
         seen.extend(loader.last_ids.tolist())
     assert sorted(seen) == [i for i in range(16) if i != 5]
     assert [note["index"] for note in data.bad] == [5] and "cannot decode record 5" in data.bad[0]["error"]
+
+
+def _children() -> list[str]:
+    import os
+
+    return [d for d in os.listdir("/proc") if d.isdigit() and _parent(d) == os.getpid()]
+
+
+def _parent(pid: str) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return int(stat.read().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return -1
+
+
+def test_closing_a_loader_stops_its_worker_processes_at_once():
+    before = set(_children())
+    loader = DatasetLoader(MapData(Sentences(32), PadCollate(mask="attention_mask")), rank=0, world=1, batch_size=4,
+                           seed=0, workers=2)
+    next(loader)
+    assert len(set(_children()) - before) == 2
+    loader.close()  # not waiting for the garbage collector: persistent workers are held by the DataLoader
+    assert set(_children()) - before == set()

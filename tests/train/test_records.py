@@ -50,3 +50,15 @@ def test_a_run_whose_data_wait_passes_a_tenth_of_the_step_is_input_bound_with_ad
     cached = input_bound(rows, build_config(task="digits", data_workers=2, data_cache="memory"))["advice"]
     assert "more cores" in cached
     assert not input_bound(rows[:1], build_config(task="digits"))["bound"]
+
+
+def test_each_fit_in_a_process_times_its_own_job(tmp_path):
+    import time
+
+    from mlscale.config import build_config
+    from mlscale.train.launcher import fit
+
+    fit(build_config(task="synthetic", steps=2, progress=False, run_dir=str(tmp_path / "one")))
+    time.sleep(1.5)
+    second = fit(build_config(task="synthetic", steps=2, progress=False, run_dir=str(tmp_path / "two")))
+    assert second["wall_s"] < 1.5  # not counted from the first fit's start
