@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU build of torch: a plain `torch` would pull a multi-GB CUDA build. GPU users install their own.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test test-gpu lint bench-train proto flags ui-assets ui-firefox-check clean
+.PHONY: demo test test-gpu lint bench-tf-env bench-train proto flags ui-assets ui-firefox-check clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,12 @@ test-gpu: $(BIN)/.installed
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check .
+
+# The tf.data anchor of `mlscale bench data --suite images`, in an environment of its own (TensorFlow's
+# dependencies need not agree with mlscale's): .venv-tf/bin/python, found there by the benchmark.
+bench-tf-env:
+	test -x .venv-tf/bin/python || $(PYTHON) -m venv .venv-tf
+	.venv-tf/bin/python -m pip install --quiet tensorflow-cpu
 
 bench-train: $(BIN)/.installed
 	$(BIN)/mlscale bench train --out bench/results/train

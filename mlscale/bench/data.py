@@ -36,8 +36,9 @@ MODES: dict[str, dict[str, Any]] = {
     "workers": {"data_workers": 2},
     "workers+cache": {"data_workers": 2, "data_cache": True},
 }
-SUITES = ("pipeline", "loaders", "resume")
-REPEATS = {"pipeline": 3, "loaders": 7, "resume": 5}  # the loaders' runs are seconds: more repeats for the median
+SUITES = ("pipeline", "loaders", "resume", "images")
+# the loaders' runs are seconds: more repeats for the median
+REPEATS = {"pipeline": 3, "loaders": 7, "resume": 5, "images": 3}
 LOADER_BATCH = 64
 
 
@@ -69,6 +70,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "checkpoint to resume from, mid-epoch (default 10 of 30 an epoch)")
     p.add_argument("--resume-samples", type=int_at_least(2 * LOADER_BATCH * 2), default=3840,
                    help="resume: the Dataset's size (default 3840: 30 steps an epoch on 2 workers)")
+    p.add_argument("--images", type=int_at_least(200), default=20000, help="images: JPEGs generated (128-256 px, 10 "
+                   "classes; default 20000)")
+    p.add_argument("--image-dir", metavar="DIR", help="images: keep the generated JPEGs in DIR and reuse them "
+                   "(default: a temporary folder, made each run)")
+    p.add_argument("--crop", type=int_at_least(8), default=224, help="images: random resized crop, px (default 224)")
+    p.add_argument("--image-batches", type=int_at_least(2), default=50, help="images: timed batches of 64 per "
+                   "measurement (default 50)")
+    p.add_argument("--tf-python", metavar="PYTHON", default=_default_tf_python(),
+                   help="images: a Python with tensorflow-cpu for the tf.data anchor (default .venv-tf/bin/python when "
+                   "there: `make bench-tf-env`; none: tf.data is not measured)")
+    p.add_argument("--no-s3", dest="s3", action="store_false", help="images: skip reading the images from moto's "
+                   "S3 server on 127.0.0.1 (first and second epoch)")
 
 
 def _run(mode: str, args: argparse.Namespace, scratch: Path) -> dict[str, float]:
@@ -154,9 +167,23 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             from mlscale.bench.data_resume import run_resume
 
             results["resume"] = run_resume(_with(args, repeats=_repeats(args, "resume")), Path(tmp))
+        if "images" in suites:
+            from mlscale.bench.data_images import run_suite
+
+            results["images"] = run_suite(_with(args, repeats=_repeats(args, "images"), batches=args.image_batches,
+                                                warmup=2), _say)
     results["total_s"] = time.perf_counter() - started
     results["load_average_at_end"] = _load_average()
     return results
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _default_tf_python() -> str | None:
+    candidate = Path(".venv-tf/bin/python")
+    return str(candidate) if candidate.exists() else None
 
 
 def _load_average() -> list[float]:
@@ -187,6 +214,10 @@ def plot(results: dict[str, Any], path: Path) -> None:
                 plot_loaders(right, *rest[0])
             else:
                 right.axis("off")
+        elif suite == "images":
+            from mlscale.bench.data_images import plot_images
+
+            plot_images(left, right, results["images"])
         else:
             plot_resume(left, results["resume"])
             if "loaders" in results:
@@ -228,5 +259,16 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
         resume = results["resume"]
         print(f"  resume: first step after {resume['resume']['first_step_s']:.2f} s vs fresh "
               f"{resume['fresh']['first_step_s']:.2f} s ({resume['resume_over_fresh']:.2f}x)")
+    images = results.get("images")
+    if images:
+        rates = ", ".join(f"{name} {rate:,.0f}" for name, rate in images["images_per_s"].items())
+        versus = f"{images['vs_torch_best']:.2f}x {images['anchor_torch']}, {images['vs_ceiling']:.2f}x the ceiling" + \
+            (f", {images['vs_tf_data']:.2f}x tf.data" if "vs_tf_data" in images else "")
+        print(f"  images/s: {rates}; mlscale auto {versus}")
+        if "s3" in images:
+            s3 = images["s3"]
+            print(f"  images from S3: first epoch {s3['first']['images_per_s']:,.0f}/s, second "
+                  f"{s3['second']['images_per_s']:,.0f}/s ({s3['second_vs_local']:.2f}x local), "
+                  f"{s3['objects_fetched']} objects fetched")
     print(f"wrote {json_path} and {png_path}")
     return results

@@ -5,7 +5,7 @@ import json
 
 from mlscale.bench import data
 from mlscale.cli import main
-from tests.helpers import REPO
+from tests.helpers import REPO, run_cli
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -65,3 +65,13 @@ def test_the_committed_data_results_plot_every_section(tmp_path):
     data.plot(results, tmp_path / "data.png")
     written = (tmp_path / "data.png").read_bytes()
     assert written[:8] == PNG and len(written) > 20_000
+
+
+def test_the_images_suite_measures_every_system_and_s3_with_tiny_settings(tmp_path):
+    result = run_cli("bench", "data", "--suite", "images", "--images", "200", "--image-batches", "2", "--repeats", "1",
+                     "--crop", "32", "--out", str(tmp_path), timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    images = json.loads((tmp_path / "data.json").read_text())["images"]
+    assert {"mlscale auto", "torch 0", "ceiling"} <= set(images["images_per_s"]) and images["vs_ceiling"] > 0
+    assert 0 < images["s3"]["objects_fetched"] <= 200 and images["s3"]["second"]["images_per_s"] > 0
+    assert (tmp_path / "data.png").stat().st_size > 10_000
