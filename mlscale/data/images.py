@@ -216,10 +216,10 @@ class AugmentedImages(Dataset[tuple[torch.Tensor, int]]):
         with Image.open(self.file(index)) as image:
             image.draft("RGB", (self.size, self.size))  # JPEG: decode at a reduced scale when it still covers
             image = image.convert("RGB")
-            box = random_resized_crop(*image.size, sample_generator(self.seed, epoch, index)) if self.train \
-                else centre_crop(*image.size)
+            draws = sample_generator(self.seed, epoch, index) if self.train else None  # the crop's, then the flip's
+            box = random_resized_crop(*image.size, draws) if draws is not None else centre_crop(*image.size)
             image = image.resize((self.size, self.size), Image.Resampling.BILINEAR, box=box)
-            if self.train and bool(torch.rand(1, generator=sample_generator(self.seed + 1, epoch, index)) < 0.5):
+            if draws is not None and float(torch.rand(1, generator=draws, dtype=torch.float64)) < 0.5:
                 image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
             pixels = torch.frombuffer(bytearray(image.tobytes()), dtype=torch.uint8)
         tensor = pixels.view(self.size, self.size, 3).permute(2, 0, 1).float().div_(255).sub_(self.mean).div_(self.std)
