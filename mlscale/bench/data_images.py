@@ -188,33 +188,46 @@ def measure_tf(python: str, root: str, crop: int, batches: int, warmup: int) -> 
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def _ceiling_share(root: str, crop: int, indices: list[int]) -> int:
+_CEILING: dict[str, Any] = {}
+
+
+def _ceiling_start(root: str, crop: int) -> None:
+    """A ceiling process: one core (as a data worker), the images listed once."""
     from mlscale.data.images import ImageFolder
 
-    torch.set_num_threads(1)  # one core a process, as a data worker
-    data = ImageFolder(root, crop, seed=0)
+    torch.set_num_threads(1)
+    _CEILING["data"] = ImageFolder(root, crop, seed=0)
+
+
+def _ceiling_share(indices: list[int]) -> int:
+    data = _CEILING["data"]
     for index in indices:
         data.item_for_epoch(index, 0)
     return len(indices)
 
 
+def _ceiling_ready(_: int) -> int:
+    time.sleep(0.2)  # every process takes one: all of them are up before the timing starts
+    return os.getpid()
+
+
 def measure_ceiling(root: str, crop: int, images: int) -> dict[str, Any]:
     """The same decode and augmentation (mlscale's own code, no loader, no batching) in one process per core,
     each on its own share of ``images`` images: what the cores can do."""
-    from concurrent.futures import ProcessPoolExecutor
+    import multiprocessing
 
     from mlscale.data.images import ImageFolder
 
     total = min(images, len(ImageFolder(root, crop)))
     processes = cores()
     shares = [list(range(p, total, processes)) for p in range(processes)]
-    import multiprocessing
-
-    # spawned, not forked: a child forked from a process whose torch thread pool is running can deadlock
-    with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn")) as pool:
-        list(pool.map(_ceiling_share, [root] * processes, [crop] * processes, [s[:4] for s in shares]))  # warm
+    # spawned, not forked (a child forked from a process whose torch thread pool runs can deadlock); all of
+    # them started and warm before the clock starts
+    with multiprocessing.get_context("spawn").Pool(processes, _ceiling_start, (root, crop)) as pool:
+        pool.map(_ceiling_ready, range(processes), chunksize=1)
+        pool.map(_ceiling_share, [share[:4] for share in shares], chunksize=1)
         start = time.perf_counter()
-        done = sum(pool.map(_ceiling_share, [root] * processes, [crop] * processes, shares))
+        done = sum(pool.map(_ceiling_share, shares, chunksize=1))
     return {"images_per_s": done / (time.perf_counter() - start), "processes": processes}
 
 

@@ -214,7 +214,7 @@ class Trainer:
 
         workers = config.data.data_workers if self.loader is None else self.data_workers  # measured once
         if workers == "auto":  # timed without the cache: a candidate must not read what another made
-            workers, timings = autotune_workers(lambda n: make(n, cache="none"))
+            workers, timings = autotune_workers(lambda n: make(n, cache="none"), prefetch=config.data.data_prefetch)
             if self.env.is_main:
                 print(describe_choice(workers, timings), file=sys.stderr, flush=True)
         self.data_workers = int(workers)
