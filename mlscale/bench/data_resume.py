@@ -20,7 +20,6 @@ report.json of each resume is checked to say it resumed from that step at world 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -29,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from mlscale.rundir import RunDir
 
 TASK = "mlscale.bench.data_sets:slow_items"
 FROM_WORLD, TO_WORLD, BATCH, STEPS_AFTER = 2, 3, 64, 2
@@ -64,9 +65,9 @@ def _launch(argv: list[str], run_dir: Path, after_step: int) -> dict[str, Any]:
     wall = time.time() - start
     if done.returncode != 0:
         raise RuntimeError(f"mlscale train {' '.join(argv)} failed ({done.returncode}): {done.stderr[-2000:]}")
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    first = next(row for row in lines if row["step"] > after_step)
-    report = json.loads((run_dir / "report.json").read_text())
+    records = RunDir(run_dir)
+    first = next(row for row in records.read_metrics() if row["step"] > after_step)
+    report = records.read_report()
     return {"first_step_s": first["time"] - start, "wall_s": wall, "first_step": first["step"],
             "first_step_epoch": first["epoch"], "world_size": report["world_size"],
             "resumed_from_step": report.get("resumed_from_step"),
