@@ -102,6 +102,10 @@ class DataOptions(Options):
         "process); auto: measures 0, 1, 2, 4... and says what it picked. The batches and the resume position are "
         "the same with any number", metavar="N|auto")
     data_prefetch: int = option(2, "batches each data worker prepares ahead", ge=1, metavar="B")
+    data_threads: int = option(
+        0, "read a Dataset's items in T threads of the training process instead of worker processes: faster where "
+        "__getitem__ releases the GIL (Pillow decoding, file reads, Rust tokenizers), no gain for pure-Python code; "
+        "not with --data-workers", ge=0, metavar="T")
     data_cache: Literal["none", "memory", "disk"] = option(
         "none", "keep samples as the epochs make them (transformed; for Parquet data also decoded), so that later "
         "epochs skip that work: memory (shared memory; what the flag alone means) or disk (files in "

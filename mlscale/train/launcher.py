@@ -146,6 +146,13 @@ def check_job(config: TrainConfig, plan: JobPlan, data: TensorData | ParquetData
     for split in (data, eval_data):
         if isinstance(split, MapData):
             split.check()  # its first and last items, collated
+    if config.data.data_threads:
+        if config.data.data_workers != 0:
+            raise UsageError(f"bad value data-threads={config.data.data_threads}: items are read by threads or by "
+                             "--data-workers processes, not both; choose one")
+        if not isinstance(data, MapData):
+            raise UsageError(f"bad value data-threads={config.data.data_threads}: threads read a Dataset's items; "
+                             "this task's data is in memory or Parquet (use --data-workers)")
     if config.strategy == "pipeline" and isinstance(data, MapData):
         strategy.check_fixed_shapes(data)  # type: ignore[attr-defined]
     named = _named_inputs(data)

@@ -28,6 +28,7 @@ from mlscale.data.batches import call_model, rows, take, to_device
 from mlscale.data.dataset import MapData
 from mlscale.data.parquet import ParquetData, ParquetLoader, check_resumable
 from mlscale.data.pipeline import DatasetLoader, PipelineLoader, StreamLoader, autotune_workers, describe_choice
+from mlscale.data.threads import ThreadLoader
 from mlscale.errors import MlscaleError
 from mlscale.io import append_jsonl, read_jsonl
 from mlscale.lineage import data_fingerprint
@@ -197,6 +198,10 @@ class Trainer:
         assert shard is not None
         plain = dict(rank=shard, world=self.shards, batch_size=config.step_batch, seed=config.seed)
         streamed = isinstance(self.train_data, ParquetData)
+        if config.data.data_threads and isinstance(self.train_data, MapData):
+            self.data_workers = 0
+            return ThreadLoader(self.train_data, position=self.positions[shard], threads=config.data.data_threads,
+                                prefetch=config.data.data_prefetch, **plain)
         if config.data.data_workers == 0 and self.task.transform is None and not streamed:
             return ShardLoader(self.train_data, position=self.positions[shard], **plain)
         loader_type = ParquetLoader if streamed else DatasetLoader if isinstance(self.train_data, MapData) \
@@ -445,7 +450,8 @@ class Trainer:
 
     # -- the end ------------------------------------------------------------------------------
     def _data_report(self) -> dict[str, Any]:
-        report: dict[str, Any] = {"workers": self.data_workers, "prefetch": self.config.data.data_prefetch,
+        report: dict[str, Any] = {"workers": self.data_workers, "threads": self.config.data.data_threads,
+                                  "prefetch": self.config.data.data_prefetch,
                                   "cache": self.config.data.data_cache, "transform": self.task.transform is not None,
                                   "source": "memory"}
         if isinstance(self.train_data, MapData):

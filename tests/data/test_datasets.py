@@ -217,3 +217,20 @@ def test_closing_a_loader_stops_its_worker_processes_at_once():
     assert len(set(_children()) - before) == 2
     loader.close()  # not waiting for the garbage collector: persistent workers are held by the DataLoader
     assert set(_children()) - before == set()
+
+
+def test_data_threads_give_the_batches_of_the_loader_in_process_across_epochs_and_from_a_position():
+    from mlscale.data.threads import ThreadLoader
+
+    data = MapData(Sentences(40), PadCollate(mask="attention_mask"))
+    plain = ShardLoader(data, rank=1, world=2, batch_size=4, seed=3)
+    expected = [(next(plain), plain.last_ids.tolist(), plain.position) for _ in range(12)]  # 5 steps an epoch
+    threads = ThreadLoader(data, rank=1, world=2, batch_size=4, seed=3, threads=3)
+    for (want, ids, position) in expected:
+        inputs, targets = next(threads)
+        assert all(torch.equal(inputs[key], want[0][key]) for key in want[0]) and torch.equal(targets, want[1])
+        assert threads.last_ids.tolist() == ids and threads.position == position
+    threads.close()
+    resumed = ThreadLoader(data, rank=1, world=2, batch_size=4, seed=3, threads=2, position=expected[6][2])
+    assert torch.equal(next(resumed)[1], expected[7][0][1])
+    resumed.close()

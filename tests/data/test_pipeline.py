@@ -93,7 +93,7 @@ def test_a_run_and_its_resume_are_the_same_with_any_number_of_data_workers(tmp_p
     assert all(torch.equal(reference[k], v) for k, v in final_weights(tmp_path / "workers").items())
     report = json.loads((tmp_path / "workers" / "report.json").read_text())
     assert report["data"].pop("input_bound")["data_wait_share"] >= 0  # (whether it is, on busy cores, varies)
-    assert report["data"] == {"workers": 2, "prefetch": 2, "cache": "disk", "transform": True, "source": "memory",
-                              "cache_mb": pytest.approx(512 * (64 * 8 + 8 + 1) / 2**20, abs=1e-3)}
+    assert report["data"] == {"workers": 2, "threads": 0, "prefetch": 2, "cache": "disk", "transform": True,
+                              "source": "memory", "cache_mb": pytest.approx(512 * (64 * 8 + 8 + 1) / 2**20, abs=1e-3)}
     chosen = train("auto", "--data-workers", "auto", "--steps", "4")
     assert "--data-workers auto picked" in chosen.stderr

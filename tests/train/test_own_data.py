@@ -23,6 +23,7 @@ RUNS = {  # name: (the run's options, the run it equals, the bound)
     "ddp": (["--workers", "2", "--batch-size", "8"], "one", DDP),
     "accum": (["--workers", "2", "--batch-size", "4", "--grad-accum", "2"], "one", DDP),
     "workers": (["--workers", "2", "--batch-size", "8", "--data-workers", "1", "--data-cache", "memory"], "one", DDP),
+    "threads": (["--workers", "2", "--batch-size", "8", "--data-threads", "3"], "one", DDP),
     "disk": (["--workers", "2", "--batch-size", "8", "--data-workers", "2", "--data-cache", "disk",
               "--eval-every", "2"], "one", DDP),
     "fsdp-ac": (["--strategy", "fsdp", "--workers", "2", "--batch-size", "8", "--activation-checkpointing", "full"],
