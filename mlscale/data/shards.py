@@ -157,8 +157,8 @@ class TarShards(AugmentedImages):
     def __init__(self, source: str | Path | Sequence[str], size: int = 64, *, train: bool = True, seed: int = 0,
                  indices: Sequence[int] | None = None, mean: Sequence[float] = IMAGENET_MEAN,
                  std: Sequence[float] = IMAGENET_STD,
-                 transform: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
-        super().__init__(size, train, seed, mean, std, transform)
+                 transform: Callable[[torch.Tensor], torch.Tensor] | None = None, normalize: bool = False) -> None:
+        super().__init__(size, train, seed, mean, std, transform, normalize)
         shards = shard_paths(source)
         if not shards:
             raise UsageError(f"bad value shards={source!r}: no .tar shards there")

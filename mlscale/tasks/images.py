@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mlscale.data.images import ImageFolder
+from mlscale.data.images import ImageFolder, Normalize
 from mlscale.data.shards import TarShards
 from mlscale.errors import UsageError
 from mlscale.tasks.base import Task
@@ -41,6 +41,7 @@ class BasicBlock(nn.Module):
 class ResNet(nn.Module):
     def __init__(self, classes: int, width: int = 16, stages: int = 3, blocks: int = 1) -> None:
         super().__init__()
+        self.normalize = Normalize()  # uint8 pixels in: scaled and normalised here, on the training device
         self.stem = nn.Sequential(nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU())
         layers, channels = [], width
         for stage in range(stages):
@@ -52,7 +53,7 @@ class ResNet(nn.Module):
         self.head = nn.Linear(channels, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.blocks(self.stem(x)).mean(dim=(2, 3)))
+        return self.head(self.blocks(self.stem(self.normalize(x))).mean(dim=(2, 3)))
 
 
 def make_images(root: str = "", size: int = 64, eval_root: str = "", width: int = 16, stages: int = 3,

@@ -73,7 +73,7 @@ def test_held_out_images_are_centre_cropped_the_same_every_time(folder):
     held_out = ImageFolder(folder, size=24, train=False)
     assert torch.equal(held_out.item_for_epoch(3, 0)[0], held_out.item_for_epoch(3, 5)[0])
     image, label = held_out[13]
-    assert image.shape == (3, 24, 24) and image.dtype == torch.float32 and label == 1
+    assert image.shape == (3, 24, 24) and image.dtype == torch.uint8 and label == 1  # normalised in the model
 
 
 @given(width=st.integers(1, 400), height=st.integers(1, 400), seed=st.integers(0, 2**32))
@@ -89,3 +89,14 @@ def test_a_corrupt_image_is_named_with_its_sample(tmp_path):
     with pytest.raises(SampleError, match=r"sample 2 of the training Dataset: ValueError: cannot read or decode "
                                           r"class_0/img_00002\.jpg"):
         data.batch([0, 1, 2])
+
+
+def test_uint8_images_normalised_in_the_model_equal_images_normalised_in_the_loader(folder):
+    from mlscale.data.images import Normalize
+
+    raw, normalised = ImageFolder(folder, size=24, seed=1), ImageFolder(folder, size=24, seed=1, normalize=True)
+    pixels = torch.stack([raw.item_for_epoch(i, 2)[0] for i in range(5)])
+    expected = torch.stack([normalised.item_for_epoch(i, 2)[0] for i in range(5)])
+    assert pixels.dtype == torch.uint8 and expected.dtype == torch.float32
+    assert torch.allclose(Normalize()(pixels), expected, atol=1e-5)
+    assert Normalize().double()(pixels).dtype == torch.float64  # the run's dtype, with the model
