@@ -5,7 +5,10 @@ does the same per image: decode, a random resized crop to ``--crop`` px (area 8-
 horizontal flip half the time, scaling to [0, 1] and normalising; batches of 64. Measured, interleaved in
 every repeat, medians of ``--repeats``:
 
-- mlscale: ``ImageFolder`` through its loader at ``--data-workers auto`` (the tuning timed apart);
+- mlscale: ``ImageFolder`` through its loader at ``--data-workers auto`` (the tuning timed apart; its items are
+  uint8, normalised by the model's first layer on the training device, which this benchmark leaves out: a
+  few microseconds of an accelerator's time a batch), and with
+  ``--data-threads`` 2 and one per core (threads of one process instead of worker processes);
 - PyTorch: ``DataLoader`` over an ImageFolder-style Dataset written as users write it (Pillow, the worker's
   own random numbers), at each ``num_workers`` in 0, 1, 2, 4... up to the cores: the best is the anchor;
 - tf.data: ``from_tensor_slices`` + ``map(num_parallel_calls=AUTOTUNE)`` + ``batch`` + ``prefetch(AUTOTUNE)``
@@ -89,6 +92,21 @@ def measure_mlscale(root: str, crop: int, batches: int, warmup: int, workers: in
     finally:
         loader.close()
     return {"images_per_s": rate, "workers": int(picked), "tuning_s": tuning_s}
+
+
+def measure_threads(root: str, crop: int, batches: int, warmup: int, threads: int) -> dict[str, Any]:
+    """mlscale's loader with ``--data-threads``: the items decoded by threads of this process (Pillow releases
+    the GIL while it decodes and resizes)."""
+    from mlscale.data.dataset import MapData
+    from mlscale.data.images import ImageFolder
+    from mlscale.data.threads import ThreadLoader
+
+    loader = ThreadLoader(MapData(ImageFolder(root, crop, seed=0)), rank=0, world=1, batch_size=BATCH, seed=0,
+                          threads=threads)
+    try:
+        return {"images_per_s": _timed(loader, batches, warmup), "threads": threads}
+    finally:
+        loader.close()
 
 
 class PlainImageFolder(Dataset[tuple[torch.Tensor, int]]):
@@ -279,6 +297,9 @@ def run_suite(args: Any, say: Any) -> dict[str, Any]:
         root = make_jpegs(Path(args.image_dir or scratch) / f"jpegs-{args.images}", args.images)
         systems: dict[str, Any] = {"mlscale auto": lambda: measure_mlscale(str(root), args.crop, args.batches,
                                                                           args.warmup)}
+        for n in sorted({2, cores()}):
+            systems[f"mlscale threads {n}"] = lambda n=n: measure_threads(str(root), args.crop, args.batches,
+                                                                          args.warmup, n)
         for n in worker_counts():
             systems[f"torch {n}"] = lambda n=n: measure_torch(str(root), args.crop, args.batches, args.warmup, n)
         if args.tf_python:
@@ -299,7 +320,9 @@ def run_suite(args: Any, say: Any) -> dict[str, Any]:
         "how": (f"{args.images:,} generated JPEGs of 128-256 px; per image: decode, random resized crop to "
                 f"{args.crop} px, flip, normalise; batches of {BATCH}, {args.batches} timed after {args.warmup} "
                 f"warm-up; {args.repeats} interleaved repeats, medians. mlscale: ImageFolder through its loader at "
-                "--data-workers auto (tuning timed apart); torch: DataLoader over an ImageFolder-style Dataset "
+                "--data-workers auto (tuning timed apart), uint8 items normalised by the model's first layer on the "
+                "device (not timed here: a few microseconds of an accelerator's time a batch); --data-threads 2 and "
+                "one per core; torch: DataLoader over an ImageFolder-style Dataset "
                 "at num_workers 0, 1, 2, 4... up to the cores, the best one the anchor; tf.data: AUTOTUNE map + "
                 "prefetch with decode_and_crop_jpeg; ceiling: mlscale's decode and augmentation in a loop, one "
                 "process per core, no loader"),
