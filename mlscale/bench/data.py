@@ -36,9 +36,10 @@ MODES: dict[str, dict[str, Any]] = {
     "workers": {"data_workers": 2},
     "workers+cache": {"data_workers": 2, "data_cache": True},
 }
-SUITES = ("pipeline", "loaders", "resume", "images")
+SUITES = ("pipeline", "loaders", "resume", "images", "text")
+ALL = ("pipeline", "loaders", "resume")  # --suite all: about 6 minutes; images and text are asked for by name
 # the loaders' runs are seconds: more repeats for the median
-REPEATS = {"pipeline": 3, "loaders": 7, "resume": 5, "images": 3}
+REPEATS = {"pipeline": 3, "loaders": 7, "resume": 5, "images": 3, "text": 3}
 LOADER_BATCH = 64
 
 
@@ -47,13 +48,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     add_out_option(p, "data")
     p.add_argument("--suite", choices=("all", *SUITES), default="all",
-                   help="what to measure (default all, about 6 minutes on 2 cores): pipeline: data wait of a "
-                   "training step, naive vs DataLoader workers vs cache, on a costly per-sample transform; "
-                   "loaders: batches/s of a user's map-style Dataset through mlscale's loaders (0, 1, 2 data "
-                   "workers, auto) vs a plain torch DataLoader at its best num_workers; resume: launch to first "
-                   "step of a mid-epoch resume on another number of workers vs a fresh start")
+                   help="what to measure (default all: pipeline, loaders and resume, about 6 minutes on 2 cores): "
+                   "pipeline: data wait of a training step, naive vs DataLoader workers vs cache, on a costly "
+                   "per-sample transform; loaders: batches/s of a user's map-style Dataset through mlscale's loaders "
+                   "(0, 1, 2 data workers, auto) vs a plain torch DataLoader at its best num_workers; resume: launch "
+                   "to first step of a mid-epoch resume on another number of workers vs a fresh start; images: "
+                   "JPEG decoding and augmentation, mlscale vs the DataLoader, tf.data and the cores, and from S3; "
+                   "text: tokens/s of tokenizing and packing, mlscale vs a plain loop")
     p.add_argument("--repeats", type=int_at_least(1), default=None,
-                   help="interleaved repeats (default: pipeline 3, loaders 7, resume 5)")
+                   help="interleaved repeats (default: pipeline 3, loaders 7, resume 5, images 3, text 3)")
     p.add_argument("--steps", type=int_at_least(20), default=120, help="pipeline: steps per run (default 120: 3 "
                    "epochs)")
     p.add_argument("--width", type=int_at_least(8), default=2048, help="pipeline: MLP width, the training compute "
@@ -80,6 +83,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tf-python", metavar="PYTHON", default=_default_tf_python(),
                    help="images: a Python with tensorflow-cpu for the tf.data anchor (default .venv-tf/bin/python when "
                    "there: `make bench-tf-env`; none: tf.data is not measured)")
+    p.add_argument("--documents", type=int_at_least(100), default=20000, help="text: documents generated (200-2,000 "
+                   "characters; default 20000)")
+    p.add_argument("--seq-len", type=int_at_least(8), default=512, help="text: tokens a window (default 512)")
     p.add_argument("--no-s3", dest="s3", action="store_false", help="images: skip reading the images from moto's "
                    "S3 server on 127.0.0.1 (first and second epoch)")
 
@@ -144,7 +150,7 @@ NOTES = [
 
 
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
-    suites = SUITES if args.suite == "all" else (args.suite,)
+    suites = ALL if args.suite == "all" else (args.suite,)
     results: dict[str, Any] = {
         "benchmark": "data: the input pipeline (DataLoader workers, prefetch, shared cache) vs loading in the "
                      "training process on a task with an expensive per-sample transform; users' own map-style "
@@ -167,6 +173,10 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
             from mlscale.bench.data_resume import run_resume
 
             results["resume"] = run_resume(_with(args, repeats=_repeats(args, "resume")), Path(tmp))
+        if "text" in suites:
+            from mlscale.bench.data_text import run_suite as run_text
+
+            results["text"] = run_text(_with(args, repeats=_repeats(args, "text")), _say)
         if "images" in suites:
             from mlscale.bench.data_images import run_suite
 
@@ -218,6 +228,11 @@ def plot(results: dict[str, Any], path: Path) -> None:
             from mlscale.bench.data_images import plot_images
 
             plot_images(left, right, results["images"])
+        elif suite == "text":
+            from mlscale.bench.data_text import plot_text
+
+            plot_text(left, results["text"])
+            right.axis("off")
         else:
             plot_resume(left, results["resume"])
             if "loaders" in results:
@@ -259,6 +274,11 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
         resume = results["resume"]
         print(f"  resume: first step after {resume['resume']['first_step_s']:.2f} s vs fresh "
               f"{resume['fresh']['first_step_s']:.2f} s ({resume['resume_over_fresh']:.2f}x)")
+    text = results.get("text")
+    if text:
+        rates = ", ".join(f"{name} {rate:,.0f}" for name, rate in text["tokens_per_s"].items())
+        print(f"  text tokens/s: {rates}; first epoch {text['first_vs_plain']:.2f}x plain, later "
+              f"{text['later_vs_plain']:.2f}x")
     images = results.get("images")
     if images:
         rates = ", ".join(f"{name} {rate:,.0f}" for name, rate in images["images_per_s"].items())

@@ -75,3 +75,12 @@ def test_the_images_suite_measures_every_system_and_s3_with_tiny_settings(tmp_pa
     assert {"mlscale auto", "torch 0", "ceiling"} <= set(images["images_per_s"]) and images["vs_ceiling"] > 0
     assert 0 < images["s3"]["objects_fetched"] <= 200 and images["s3"]["second"]["images_per_s"] > 0
     assert (tmp_path / "data.png").stat().st_size > 10_000
+
+
+def test_the_text_suite_measures_packing_against_a_plain_loop(tmp_path):
+    result = run_cli("bench", "data", "--suite", "text", "--documents", "300", "--seq-len", "64", "--repeats", "1",
+                     "--out", str(tmp_path), timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = json.loads((tmp_path / "data.json").read_text())["text"]
+    assert set(text["tokens_per_s"]) == {"plain", "mlscale first epoch", "mlscale later epochs"}
+    assert text["later_vs_plain"] > 1  # reading a token file beats tokenizing again, even here
