@@ -83,6 +83,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tf-python", metavar="PYTHON", default=_default_tf_python(),
                    help="images: a Python with tensorflow-cpu for the tf.data anchor (default .venv-tf/bin/python when "
                    "there: `make bench-tf-env`; none: tf.data is not measured)")
+    p.add_argument("--train-steps", type=int_at_least(0), default=30, help="images: steps of an end-to-end run of "
+                   "--task images on 2 workers, for each rank's data wait (default 30; 0: none)")
     p.add_argument("--documents", type=int_at_least(100), default=20000, help="text: documents generated (200-2,000 "
                    "characters; default 20000)")
     p.add_argument("--seq-len", type=int_at_least(8), default=512, help="text: tokens a window (default 512)")
@@ -285,6 +287,11 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
         versus = f"{images['vs_torch_best']:.2f}x {images['anchor_torch']}, {images['vs_ceiling']:.2f}x the ceiling" + \
             (f", {images['vs_tf_data']:.2f}x tf.data" if "vs_tf_data" in images else "")
         print(f"  images/s: {rates}; mlscale auto {versus}")
+        if "end_to_end" in images:
+            trained = images["end_to_end"]
+            waits = ", ".join(f"rank {r['rank']} {r['data_wait_share']:.0%}" for r in trained["per_rank"])
+            print(f"  --task images on 2 workers (data workers {trained['data_workers']}): "
+                  f"{trained['samples_per_s']:,.0f} samples/s, data wait of the step {waits}")
         if "s3" in images:
             s3 = images["s3"]
             print(f"  images from S3: first epoch {s3['first']['images_per_s']:,.0f}/s, second "

@@ -249,6 +249,22 @@ def measure_ceiling(root: str, crop: int, images: int) -> dict[str, Any]:
     return {"images_per_s": done / (time.perf_counter() - start), "processes": processes}
 
 
+def end_to_end(root: Path, crop: int, steps: int) -> dict[str, Any]:
+    """``--task images`` trained by 2 workers with ``--data-workers auto``: each rank's median data wait and step,
+    from the run's report (what a user sees: is the run input-bound?)."""
+    from mlscale.config import build_config
+    from mlscale.train.launcher import fit
+
+    with tempfile.TemporaryDirectory(prefix="mlscale-bench-e2e-") as scratch:
+        report = fit(build_config(task="images", task_options={"root": str(root), "size": crop}, workers=2,
+                                  batch_size=32, steps=steps, data_workers="auto", progress=False, log_every=10,
+                                  run_dir=str(Path(scratch) / "run")))
+    ranks = [{"rank": r["rank"], "data_wait_ms_p50": r["data_wait_ms_p50"], "step_ms_p50": r["step_ms_p50"],
+              "data_wait_share": r["data_wait_ms_p50"] / r["step_ms_p50"]} for r in report["per_rank"]]
+    return {"per_rank": ranks, "samples_per_s": report["samples_per_s"], "data_workers": report["data"]["workers"],
+            "input_bound": report["data"]["input_bound"]}
+
+
 def s3_epochs(root: Path, crop: int, batches: int, workers: int) -> dict[str, Any]:
     """The images in moto's S3 server on 127.0.0.1: mlscale's first epoch (fetching), its second (local copies),
     and how many objects were fetched in the first (each once: the cache then holds one file per image)."""
@@ -313,6 +329,7 @@ def run_suite(args: Any, say: Any) -> dict[str, Any]:
                 say(f"images repeat {repeat + 1}/{args.repeats}  {name:<13} {runs[name][-1]['images_per_s']:,.0f} "
                     "images/s")
         s3 = s3_epochs(root, args.crop, args.batches, workers=2) if args.s3 else None
+        trained = end_to_end(root, args.crop, args.train_steps) if args.train_steps else None
     medians = {name: statistics.median(r["images_per_s"] for r in group) for name, group in runs.items()}
     torch_best = max((name for name in medians if name.startswith("torch")), key=lambda n: medians[n])
     ours = medians["mlscale auto"]
@@ -334,6 +351,8 @@ def run_suite(args: Any, say: Any) -> dict[str, Any]:
         result["vs_tf_data"] = ours / medians["tf.data"]
     if s3 is not None:
         result["s3"] = {**s3, "second_vs_local": s3["second"]["images_per_s"] / ours}
+    if trained is not None:
+        result["end_to_end"] = trained
     return result
 
 
