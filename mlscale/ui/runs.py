@@ -59,6 +59,8 @@ LIVE_ROWS = 500  # rows sent in one live-stream message
 ERROR_KEPT = 4000  # characters of a worker's error kept for the events table's detail
 FAULT_KINDS = ("kill", "hang", "fault")
 REPLICA_LOG = re.compile(r"replica([0-9]{1,6})(?:-rank([0-9]{1,6}))?\.jsonl")
+BAD_SAMPLES_LOG = re.compile(r"rank([0-9]{1,6})\.jsonl")  # --bad-samples skip's files (RunDir.bad_samples_path)
+BAD_SAMPLES_SHOWN = 100  # samples left out that the events table lists
 RANK_CHOICE = re.compile(r"[0-9]{1,7}")
 log = logging.getLogger("mlscale.ui")
 
@@ -587,6 +589,7 @@ class RunView:
                            "text": f"resumed from the checkpoint of step {resumed}, "
                                    f"{_whole(event.get('steps_redone'))} step(s) redone"})
         events.extend(self._replica_events())
+        events.extend(self._bad_sample_events())
         for first, last, members in self._degraded_spans():
             events.append({"kind": "degraded", "step": first, "until": last, "participants": members,
                            "text": f"steps {first}-{last} trained by replica group(s) "
@@ -622,6 +625,23 @@ class RunView:
             if named:
                 found[int(named[1]), int(named[2] or 0)] = Path(entry.path)
         return dict(sorted(found.items()))
+
+    def _bad_sample_events(self) -> list[dict[str, Any]]:
+        """``--bad-samples skip``'s samples left out (``RunDir.bad_samples_path``: rankR.jsonl), one event each,
+        at most ``BAD_SAMPLES_SHOWN`` of them, every field checked."""
+        events: list[dict[str, Any]] = []
+        for entry in self.folder.listing(self.run.bad_samples):
+            named = BAD_SAMPLES_LOG.fullmatch(entry.name)
+            if not named:
+                continue
+            for line in self.folder.records(Path(entry.path)):
+                if len(events) >= BAD_SAMPLES_SHOWN:
+                    return events
+                step, index, epoch = _whole(line.get("step")), _whole(line.get("index")), _whole(line.get("epoch"))
+                error = str(line.get("error"))[:ERROR_CHARS]
+                events.append({"kind": "bad_sample", "step": step, "rank": int(named[1]),
+                               "text": f"sample {index} left out (epoch {epoch}, rank {named[1]}): {error}"})
+        return events
 
     def _replica_events(self) -> list[dict[str, Any]]:
         events = []

@@ -393,3 +393,15 @@ def test_six_live_streams_from_the_start_of_a_long_run_cost_bounded_memory(tmp_p
         process.terminate()
         process.wait(10)
         log.close()
+
+
+def test_samples_left_out_by_bad_samples_skip_are_events_of_the_run_page_each_field_checked(tmp_path):
+    error = "sample 37: ValueError: cannot decode " + "x" * 500
+    lines = (json.dumps({"step": 3, "index": 37, "epoch": 0, "error": error}) + "\n"
+             + '{"step": "three", "index": [1], "epoch": null, "error": 5}\n' + "not json\n")
+    run = _run(tmp_path, "run", **{"metrics.jsonl": _line(1), "bad_samples__rank1.jsonl": lines,
+                                   "bad_samples__notes.txt": "not a rank's file"})
+    events = [e for e in RunView("run", run.path).detail()["events"] if e["kind"] == "bad_sample"]
+    assert [(e["step"], e["rank"]) for e in events] == [(None, 1), (3, 1)]
+    assert events[1]["text"].startswith("sample 37 left out (epoch 0, rank 1): sample 37: ValueError: cannot decode")
+    assert len(events[1]["text"]) < 250  # the error cut to what the table shows

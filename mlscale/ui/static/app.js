@@ -6,7 +6,7 @@ const view = document.getElementById("view");
 const EVENT_COLORS = {
   kill: "#c62f2f", kill_in_step: "#c62f2f", hang: "#c62f2f", kill_during_checkpoint: "#c62f2f", error: "#8f1d1d",
   restart: "#c7831a", resume: "#1e8a4c", live_recovery: "#2f5bd3", replica_restart: "#c7831a",
-  degraded: "#b38600", straggler: "#7b3fbf",
+  degraded: "#b38600", straggler: "#7b3fbf", bad_sample: "#6b6b6b",
 };
 const SPLIT = [["compute_ms", "compute", "#4c72b0"], ["comm_exposed_ms", "communication (exposed)", "#dd8452"],
   ["data_wait_ms", "data wait", "#55a868"], ["optimizer_ms", "optimizer", "#8172b3"]];
