@@ -85,6 +85,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "there: `make bench-tf-env`; none: tf.data is not measured)")
     p.add_argument("--train-steps", type=int_at_least(0), default=30, help="images: steps of an end-to-end run of "
                    "--task images on 2 workers, for each rank's data wait (default 30; 0: none)")
+    p.add_argument("--rss-images", type=int_at_least(0), default=2000, help="images: the resident memory of reading "
+                   "tar shards of this many images and of 10 times as many (default 2000; 0: not measured)")
     p.add_argument("--documents", type=int_at_least(100), default=20000, help="text: documents generated (200-2,000 "
                    "characters; default 20000)")
     p.add_argument("--seq-len", type=int_at_least(8), default=512, help="text: tokens a window (default 512)")
@@ -292,6 +294,10 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
             waits = ", ".join(f"rank {r['rank']} {r['data_wait_share']:.0%}" for r in trained["per_rank"])
             print(f"  --task images on 2 workers (data workers {trained['data_workers']}): "
                   f"{trained['samples_per_s']:,.0f} samples/s, data wait of the step {waits}")
+        if "memory_at_10x" in images:
+            memory = images["memory_at_10x"]
+            print(f"  memory reading tar shards of {memory['images'][1]:,} images: {memory['large_over_small']:.2f}x "
+                  f"that of {memory['images'][0]:,}")
         if "s3" in images:
             s3 = images["s3"]
             print(f"  images from S3: first epoch {s3['first']['images_per_s']:,.0f}/s, second "

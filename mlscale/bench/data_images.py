@@ -27,6 +27,7 @@ import math
 import os
 import random
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -265,6 +266,47 @@ def end_to_end(root: Path, crop: int, steps: int) -> dict[str, Any]:
             "input_bound": report["data"]["input_bound"]}
 
 
+RSS_SCRIPT = r'''
+import json, os, sys
+from mlscale.data.dataset import MapData
+from mlscale.data.pipeline import DatasetLoader
+from mlscale.data.shards import TarShards
+shards, batches = sys.argv[1], int(sys.argv[2])
+loader = DatasetLoader(MapData(TarShards(shards, 32, seed=0)), rank=0, world=1, batch_size=64, seed=0, workers=2)
+for _ in range(batches):
+    next(loader)
+def rss(pid):
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) * 1024
+def parent(pid):
+    with open(f"/proc/{pid}/stat") as stat:
+        return int(stat.read().rsplit(")", 1)[1].split()[1])
+children = [int(d) for d in os.listdir("/proc") if d.isdigit() and parent(d) == os.getpid()]
+print(json.dumps({"main_bytes": rss(os.getpid()), "workers_bytes": sum(rss(c) for c in children)}))
+loader.close()
+'''
+
+
+def rss_at_scale(folder: Path, counts: tuple[int, int], batches: int = 40) -> dict[str, Any]:
+    """The resident memory of a process reading WebDataset tar shards through 2 data workers (``batches``
+    batches of 64), for tar shards of ``counts[0]`` and of ``counts[1]`` images: does memory grow with the
+    data set? (Its index is 20 bytes an image, kept as arrays.)"""
+    from mlscale.data.images import write_image_folder
+    from mlscale.data.shards import write_tar_shards
+
+    measured = {}
+    for count in counts:
+        images = write_image_folder(folder / f"rss-{count}", classes=10, per_class=count // 10, sizes=(32, 48))
+        shards = write_tar_shards(images, folder / f"rss-shards-{count}", per_shard=1000)
+        result = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(shards[0].parent), str(batches)],
+                                capture_output=True, text=True, timeout=600)
+        if result.returncode != 0:
+            raise RuntimeError(f"the RSS run failed: {result.stderr.strip().splitlines()[-1:]}")
+        measured[str(count)] = json.loads(result.stdout.strip().splitlines()[-1])
+    small, large = (measured[str(c)]["main_bytes"] + measured[str(c)]["workers_bytes"] for c in counts)
+    return {"images": list(counts), "rss": measured, "large_over_small": large / small}
+
+
 def s3_epochs(root: Path, crop: int, batches: int, workers: int) -> dict[str, Any]:
     """The images in moto's S3 server on 127.0.0.1: mlscale's first epoch (fetching), its second (local copies),
     and how many objects were fetched in the first (each once: the cache then holds one file per image)."""
@@ -330,6 +372,7 @@ def run_suite(args: Any, say: Any) -> dict[str, Any]:
                     "images/s")
         s3 = s3_epochs(root, args.crop, args.batches, workers=2) if args.s3 else None
         trained = end_to_end(root, args.crop, args.train_steps) if args.train_steps else None
+        memory = rss_at_scale(Path(scratch), (args.rss_images, 10 * args.rss_images)) if args.rss_images else None
     medians = {name: statistics.median(r["images_per_s"] for r in group) for name, group in runs.items()}
     torch_best = max((name for name in medians if name.startswith("torch")), key=lambda n: medians[n])
     ours = medians["mlscale auto"]
@@ -353,6 +396,8 @@ def run_suite(args: Any, say: Any) -> dict[str, Any]:
         result["s3"] = {**s3, "second_vs_local": s3["second"]["images_per_s"] / ours}
     if trained is not None:
         result["end_to_end"] = trained
+    if memory is not None:
+        result["memory_at_10x"] = memory
     return result
 
 
