@@ -69,12 +69,13 @@ def test_the_committed_data_results_plot_every_section(tmp_path):
 
 def test_the_images_suite_measures_every_system_and_s3_with_tiny_settings(tmp_path):
     result = run_cli("bench", "data", "--suite", "images", "--images", "200", "--image-batches", "2", "--repeats", "1",
-                     "--crop", "32", "--out", str(tmp_path), timeout=600)
+                     "--crop", "32", "--train-steps", "2", "--rss-images", "100", "--out", str(tmp_path), timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     images = json.loads((tmp_path / "data.json").read_text())["images"]
     assert {"mlscale auto", "torch 0", "ceiling"} <= set(images["images_per_s"]) and images["vs_ceiling"] > 0
     assert 0 < images["s3"]["objects_fetched"] <= 200 and images["s3"]["second"]["images_per_s"] > 0
     assert (tmp_path / "data.png").stat().st_size > 10_000
+    assert len(images["end_to_end"]["per_rank"]) == 2 and images["memory_at_10x"]["images"] == [100, 1000]
 
 
 def test_the_text_suite_measures_packing_against_a_plain_loop(tmp_path):
