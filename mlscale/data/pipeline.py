@@ -256,13 +256,19 @@ class DatasetLoader(StreamLoader):
             self.cache.close()
 
 
+MIN_TIMING_S = 0.25  # --data-workers auto: the least time each candidate is timed for
+MAX_TIMED = 256  # ... and the most batches
+
+
 def autotune_workers(make: Callable[[int], StreamLoader], batches: int = 8,
                      prefetch: int = 2) -> tuple[int, dict[int, float]]:
     """``--data-workers auto``: the number of workers (0, 1, 2, 4, ... up to the CPUs) whose loader delivers
     batches fastest in its steady state. Each candidate first fills its pipeline (``workers x prefetch``
     batches: every worker started and its queue drawn down, so that batches made during the others' start-up
-    do not count as speed), then is timed over ``max(batches, 2 x workers)`` batches (measured on a 16-core
-    host: timing 8 batches after the first picked 8 workers where 16 were 1.5x faster)."""
+    do not count as speed), then is timed over at least ``max(batches, 2 x workers)`` batches and at least
+    ``MIN_TIMING_S`` (up to ``MAX_TIMED`` batches): on a 16-core host, timing 8 batches after the first
+    picked 8 workers where 16 were 1.5x faster, and batches of a few milliseconds need more of them than a
+    few dozen to tell 8 workers from 16."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     candidates = [0, *[n for n in (1, 2, 4, 8, 16) if n <= cpus]]
     timings: dict[int, float] = {}
@@ -270,10 +276,11 @@ def autotune_workers(make: Callable[[int], StreamLoader], batches: int = 8,
         loader = make(workers)
         for _ in range(max(1, workers * prefetch)):
             next(loader)
-        timed = max(batches, 2 * workers)
+        least, timed = max(batches, 2 * workers), 0
         start = time.perf_counter()
-        for _ in range(timed):
+        while timed < least or (time.perf_counter() - start < MIN_TIMING_S and timed < MAX_TIMED):
             next(loader)
+            timed += 1
         timings[workers] = (time.perf_counter() - start) / timed * 1e3
         loader.close()
     best = min(timings, key=lambda n: (timings[n], n))
