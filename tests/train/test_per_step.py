@@ -290,8 +290,10 @@ def test_hsdp_a_replacement_group_receives_each_ranks_shards_and_trains_as_recor
         assert [line["attempt"] for line in logs[key] if line["event"] == "start"] == [0]
     sent = {(line["step"], line["sha256"]) for lines in logs.values() for line in lines if line["event"] == "sent"}
     for key in ((1, 0), (1, 1)):  # both ranks of group 1 came back and got their own rank's shards
-        [received] = [line for line in logs[key] if line["event"] == "received"]
-        assert (received["step"], received["sha256"]) in sent
+        # Once, or again when a later quorum (a heartbeat missed on busy cores) sent the state anew: seen
+        # once in 3 runs of the whole suite on 2 cores. Every state received must be one that was sent.
+        received = [line for line in logs[key] if line["event"] == "received"]
+        assert received and all((line["step"], line["sha256"]) in sent for line in received)
     finals = {key: [line for line in lines if line["event"] == "final"][-1]["sha256"] for key, lines in logs.items()}
     assert finals[0, 0] == finals[1, 0] and finals[0, 1] == finals[1, 1]  # rank r's shards, bitwise, per group
     assert report["recovery"]["samples_not_trained"] > 0
