@@ -53,10 +53,6 @@ def cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def worker_counts() -> list[int]:
-    return [0, *[n for n in (1, 2, 4, 8, 16, 32) if n <= cores()]]
-
-
 def _timed(batches: Any, count: int, warmup: int) -> float:
     """Images a second over ``count`` batches after ``warmup`` (worker start-up among them)."""
     iterator = iter(batches)
@@ -351,6 +347,8 @@ def run_suite(args: Any, say: Any) -> dict[str, Any]:
     """The images section of ``mlscale bench data``: each system's images/s, medians over repeats."""
     import statistics
 
+    from mlscale.bench.data_loaders import anchor_workers
+
     with tempfile.TemporaryDirectory(prefix="mlscale-bench-images-") as scratch:
         root = make_jpegs(Path(args.image_dir or scratch) / f"jpegs-{args.images}", args.images)
         systems: dict[str, Any] = {"mlscale auto": lambda: measure_mlscale(str(root), args.crop, args.batches,
@@ -358,7 +356,7 @@ def run_suite(args: Any, say: Any) -> dict[str, Any]:
         for n in sorted({2, cores()}):
             systems[f"mlscale threads {n}"] = lambda n=n: measure_threads(str(root), args.crop, args.batches,
                                                                           args.warmup, n)
-        for n in worker_counts():
+        for n in anchor_workers():  # the loaders suite's: 0, 1, 2, then 4, 8... up to the cores
             systems[f"torch {n}"] = lambda n=n: measure_torch(str(root), args.crop, args.batches, args.warmup, n)
         if args.tf_python:
             systems["tf.data"] = lambda: measure_tf(args.tf_python, str(root), args.crop, args.batches, args.warmup)
