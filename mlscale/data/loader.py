@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from mlscale.data.sampler import shard_indices
+from mlscale.data.sampler import sample_shards, shard_indices
 from mlscale.data.tensors import TensorData
 from mlscale.errors import UsageError
 
@@ -59,13 +59,14 @@ class ShardLoader:
         self.data, self.rank, self.world = data, rank, world
         self.batch_size, self.seed = batch_size, seed
         self.position = position or Position()
+        self.shards = sample_shards(data)  # data stored in shards: an order that keeps a rank on its own
         self.last_ids: torch.Tensor | None = None  # the data set indices of the batch last returned
         self.last_bad: list[dict[str, Any]] = []  # samples left out of it (a Dataset under --bad-samples skip)
         self._load_epoch()
 
     def _load_epoch(self) -> None:
         self._indices = shard_indices(len(self.data), self.rank, self.world, seed=self.seed,
-                                      epoch=self.position.epoch, start=self.position.offset)
+                                      epoch=self.position.epoch, start=self.position.offset, shards=self.shards)
         self._cursor = 0
 
     def __iter__(self) -> ShardLoader:

@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, Dataset
 from mlscale.data.dataset import CollateIndexed, Items, MapData, SampleError, message_of, span
 from mlscale.data.item_cache import make_item_cache
 from mlscale.data.loader import Position, check_a_batch_fits, drop_bad
-from mlscale.data.sampler import shard_indices
+from mlscale.data.sampler import sample_shards, shard_indices
 from mlscale.data.tensors import TensorData
 from mlscale.errors import UsageError, first_line
 from mlscale.io import atomic_write_json
@@ -142,8 +142,10 @@ class _Batches:
     """The ShardLoader's batches as index lists, forever; each batch's end position queued as it goes."""
 
     def __init__(self, size: int, rank: int, world: int, batch_size: int, seed: int, position: Position,
-                 with_epoch: bool = False) -> None:
-        """``with_epoch``: yield ``(index, epoch)`` pairs, for a Dataset whose items depend on the epoch."""
+                 with_epoch: bool = False, shards: Any = None) -> None:
+        """``with_epoch``: yield ``(index, epoch)`` pairs, for a Dataset whose items depend on the epoch;
+        ``shards``: the shard each sample is read from (``sampler.sample_shards``)."""
+        self.shards = shards
         self.size, self.rank, self.world, self.batch_size, self.seed = size, rank, world, batch_size, seed
         self.with_epoch = with_epoch
         self.start = position
@@ -154,7 +156,7 @@ class _Batches:
         position = self.start
         while True:
             indices = shard_indices(self.size, self.rank, self.world, seed=self.seed, epoch=position.epoch,
-                                    start=position.offset)
+                                    start=position.offset, shards=self.shards)
             for cursor in range(0, len(indices) - self.batch_size + 1, self.batch_size):
                 position = Position(position.epoch, position.offset + self.batch_size * self.world)
                 self.positions.append(position)
@@ -245,7 +247,8 @@ class DatasetLoader(StreamLoader):
             raise UsageError(f"bad value data-cache={cache!r}: this Dataset's items change with the epoch "
                              "(item_for_epoch: its augmentation), so they cannot be kept by index")
         self.cache = make_item_cache(cache, cache_dir, cache_key)
-        batches = _Batches(len(data), rank, world, batch_size, seed, position, with_epoch=data.per_epoch)
+        batches = _Batches(len(data), rank, world, batch_size, seed, position, with_epoch=data.per_epoch,
+                           shards=sample_shards(data))
         super().__init__(Items(data, self.cache), batches,
                          position, workers=workers, prefetch=prefetch, pin_memory=pin_memory,
                          collate_fn=CollateIndexed(data))

@@ -5,10 +5,15 @@ index as text) or ``NAME.json`` (``{"label": N}``), in ``shard-000000.tar``, ``s
 headers, not the data) and keeps the index as arrays (``.npz``, no pickle: 20 bytes a sample, so millions of
 images hold a few tens of MB) beside the shards or in the cache folder, checked against each shard's size
 and modification time. An item is then one read of ``size`` bytes at ``offset`` in its shard: a local file
-kept open per process, or a ranged read from object storage (fsspec), decoded and augmented as
-``images.AugmentedImages`` does (the same (seed, epoch, sample) crops). Items are addressed by index, so the
-sharding contract holds as for any Dataset: every rank may read from any shard (random access), and a
-resume at another world size trains the rest of the epoch once.
+kept open per process, or from object storage (fsspec): with ``--data-cache-mb`` (``use_object_cache``) the
+whole shard is fetched once into the host's bounded cache folder (one request, not one a member; a host's
+processes take turns, so a shard is fetched once) and read there, else a ranged read of the member. Items
+are decoded and augmented as ``images.AugmentedImages`` does (the same (seed, epoch, sample) crops).
+
+Items are addressed by index, so the sharding contract holds as for any Dataset; ``sample_shards()`` says
+which shard each item is in, and the loaders then lay the epoch out so that a rank reads only its own shards
+(``sampler.shard_order``): with 24 pieces, world sizes 1, 2, 3, 4, 6, 8, 12 and 24 fetch a shard on one rank
+only, and the same rank every epoch. A resume at another world size still trains the rest of the epoch once.
 """
 
 from __future__ import annotations
@@ -27,15 +32,15 @@ import numpy as np
 import torch
 
 from mlscale.data.images import IMAGENET_MEAN, IMAGENET_STD, AugmentedImages
-from mlscale.data.storage import is_remote, with_retries
+from mlscale.data.storage import ObjectCache, is_remote, with_retries
 from mlscale.errors import UsageError
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
 OPEN_SHARDS = 16  # local shard files a process keeps open
 
 
-def shard_paths(source: str | Path | Sequence[str]) -> list[str]:
-    """The shards of ``source``: a list, a glob (``data/shard-*.tar``), a folder of ``.tar`` files, or a URL."""
+def shard_paths(source: str | Path | Sequence[str], suffix: str = ".tar") -> list[str]:
+    """The shards of ``source``: a list, a glob (``data/shard-*.tar``), a folder of ``suffix`` files, or a URL."""
     if isinstance(source, Path):
         source = str(source)
     if not isinstance(source, str):
@@ -46,10 +51,11 @@ def shard_paths(source: str | Path | Sequence[str]) -> list[str]:
         fs, path = fsspec.core.url_to_fs(source)
         protocol = source.split("://")[0]
         found = fs.glob(path) if any(c in path for c in "*?[") else \
-            (sorted(p for p in fs.find(path) if p.endswith(".tar")) if fs.isdir(path) else [path])
+            (sorted(p for p in fs.find(path) if p.endswith(suffix)) if fs.isdir(path) else [path])
         return [f"{protocol}://{p}" for p in sorted(found)]
     if os.path.isdir(source):
-        return sorted(str(p) for p in Path(source).glob("*.tar"))
+        return sorted(str(p) for p in Path(source).rglob(f"*{suffix}")  # Spark and Dask write nested folders
+                      if not any(part.startswith(".") for part in p.relative_to(source).parts))
     return sorted(glob.glob(source)) or ([source] if os.path.exists(source) else [])
 
 
@@ -166,6 +172,8 @@ class TarShards(AugmentedImages):
         self.indices = np.asarray(indices if indices is not None else range(len(self.index.shard)), np.int64)
         self._handles: dict[int, BinaryIO] = {}
         self._pid = os.getpid()
+        self.cache: ObjectCache | None = None
+        self._sizes: dict[int, int] = {}  # remote shards' sizes in bytes, asked once
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -179,11 +187,21 @@ class TarShards(AugmentedImages):
     def label_of(self, index: int) -> int:
         return int(self.index.label[int(self.indices[index])])
 
+    def sample_shards(self) -> np.ndarray:
+        """The shard each item is read from: the loaders keep a rank on its own shards."""
+        return self.index.shard[self.indices]
+
+    def use_object_cache(self, directory: Path, limit_bytes: int) -> None:
+        """Fetch remote shards whole into ``directory`` (at most ``limit_bytes``, ``--data-cache-mb``) and
+        read their members there; nothing to keep for local shards."""
+        if is_remote(self.index.shards[0]):
+            self.cache = ObjectCache(directory, limit_bytes)
+
     def file(self, index: int) -> io.BytesIO:
         row = int(self.indices[index])
         shard, offset, size = int(self.index.shard[row]), int(self.index.offset[row]), int(self.index.size[row])
         path = self.index.shards[shard]
-        if is_remote(path):
+        if is_remote(path) and not self._fetch_whole(shard, path):
             import fsspec
 
             fs, inner = fsspec.core.url_to_fs(path)
@@ -196,15 +214,47 @@ class TarShards(AugmentedImages):
             raise OSError(f"the shard ends {size - len(data)} bytes short of this member (truncated)")
         return io.BytesIO(data)
 
+    def _fetch_whole(self, shard: int, url: str) -> bool:
+        """Whether remote shard ``shard`` is fetched whole into the cache: when there is one and it holds four
+        such shards (else each member is a ranged read)."""
+        if self.cache is None:
+            return False
+        if shard not in self._sizes:
+            import fsspec
+
+            fs, inner = fsspec.core.url_to_fs(url)
+            self._sizes[shard] = int(with_retries(f"reading the size of {url}", lambda: fs.size(inner)))
+        return 4 * self._sizes[shard] <= self.cache.limit
+
     def _handle(self, shard: int, path: str) -> BinaryIO:
+        """Shard ``shard`` open for reading in this process (kept open: an item is one seek and one read): the
+        local file, or the cached copy of a remote one."""
         if self._pid != os.getpid():  # a forked worker: its own file positions
             self._handles, self._pid = {}, os.getpid()
         handle = self._handles.get(shard)
         if handle is None:
             if len(self._handles) >= OPEN_SHARDS:
                 self._handles.pop(next(iter(self._handles))).close()
-            handle = self._handles[shard] = open(path, "rb")  # noqa: SIM115 (kept open: one seek and read an item)
+            handle = self._handles[shard] = self._open_copy(path) if is_remote(path) else open(path, "rb")  # noqa: SIM115
         return handle
+
+    def _open_copy(self, url: str) -> BinaryIO:
+        """Remote shard ``url`` open from the cache, fetched whole (retried) when not there."""
+        assert self.cache is not None
+        import fsspec
+
+        fs, inner = fsspec.core.url_to_fs(url)
+        def fetch(to: str) -> None:
+            with_retries(f"fetching {url}", lambda: fs.get_file(inner, to))
+
+        for attempt in range(2):
+            copy = self.cache.local_copy(url, fetch)
+            try:
+                return open(copy, "rb")
+            except FileNotFoundError:  # another process trimmed it from the cache just now: fetched again
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
 
 
 def write_tar_shards(folder: str | Path, out: str | Path, per_shard: int = 100) -> list[Path]:

@@ -147,12 +147,35 @@ class ObjectCache:
         if self._written > self.limit // 8 or self._puts % self.CHECK_EVERY == 0:
             self.trim()
 
+    def local_copy(self, url: str, fetch: Callable[[str], None]) -> Path:
+        """The path of ``url``'s local copy, made by ``fetch(temporary_path)`` when there is none. The
+        processes of a host take turns (a lock a URL), so an object is fetched once, not once per worker."""
+        import fcntl
+
+        path = self._path(url)
+        with open(path.with_suffix(".lock"), "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not path.exists():
+                handle, temporary = tempfile.mkstemp(dir=self.directory, suffix=".part")
+                os.close(handle)
+                try:
+                    fetch(temporary)
+                    os.replace(temporary, path)
+                finally:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(temporary)
+                self._written += path.stat().st_size
+                if self._written > self.limit // 8:
+                    self.trim()
+        os.utime(path)
+        return path
+
     def trim(self) -> None:
         """Remove the least recently used copies until the folder holds at most the limit."""
         self._written = 0
         files = []
         for entry in os.scandir(self.directory):
-            if entry.is_file() and not entry.name.endswith(".part"):
+            if entry.is_file() and not entry.name.endswith((".part", ".lock")):
                 stat = entry.stat()
                 files.append((stat.st_mtime_ns, stat.st_size, entry.path))
         total = sum(size for _, size, _ in files)
@@ -165,7 +188,8 @@ class ObjectCache:
 
     @property
     def size_bytes(self) -> int:
-        return sum(entry.stat().st_size for entry in os.scandir(self.directory) if entry.is_file())
+        return sum(entry.stat().st_size for entry in os.scandir(self.directory)
+                   if entry.is_file() and not entry.name.endswith(".lock"))
 
 
 __all__ = ["ObjectCache", "Store", "is_remote", "with_retries"]

@@ -20,6 +20,7 @@ from typing import Any
 from mlscale.data.dataset import CollateIndexed, Items, MapData
 from mlscale.data.loader import Position, check_a_batch_fits, drop_bad
 from mlscale.data.pipeline import StreamLoader, _Batches
+from mlscale.data.sampler import sample_shards
 
 
 class ThreadLoader(StreamLoader):
@@ -31,7 +32,8 @@ class ThreadLoader(StreamLoader):
         self.position = position or Position()
         self.workers = 0  # no worker processes
         self.threads = threads
-        self._batches = _Batches(len(data), rank, world, batch_size, seed, self.position, with_epoch=data.per_epoch)
+        self._batches = _Batches(len(data), rank, world, batch_size, seed, self.position, with_epoch=data.per_epoch,
+                                 shards=sample_shards(data))
         self._plan = iter(self._batches)
         self.samples = Items(data)
         self._collate = CollateIndexed(data)

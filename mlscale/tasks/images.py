@@ -10,11 +10,14 @@ one ``nn.Sequential`` so that a pipeline can split it.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
-from mlscale.data.images import ImageFolder, Normalize
-from mlscale.data.shards import TarShards
+from mlscale.data.images import AugmentedImages, ImageFolder, Normalize
+from mlscale.data.parquet_images import ParquetImages
+from mlscale.data.shards import TarShards, shard_paths
 from mlscale.errors import UsageError
 from mlscale.tasks.base import Task
 
@@ -57,11 +60,13 @@ class ResNet(nn.Module):
 
 
 def make_images(root: str = "", size: int = 64, eval_root: str = "", width: int = 16, stages: int = 3,
-                blocks: int = 1, seed: int = 0, shards: str = "") -> Task:
-    """A ResNet-style CNN on ``root``'s images (or ``shards``: WebDataset tar shards, a folder, glob or URL),
-    crops of ``size`` pixels; ``seed`` draws the augmentation."""
+                blocks: int = 1, seed: int = 0, shards: str = "", image_column: str = "image",
+                label_column: str = "label") -> Task:
+    """A ResNet-style CNN on ``root``'s images (or ``shards``: WebDataset tar shards or Parquet files of an
+    ``image_column`` of encoded images and a ``label_column``; a folder, glob or URL), crops of ``size`` pixels;
+    ``seed`` draws the augmentation."""
     if shards:
-        return _on_shards(shards, size, width, stages, blocks, seed)
+        return _on_shards(shards, size, width, stages, blocks, seed, image_column, label_column)
     if not root:
         raise UsageError("--task images needs --task-opt root=DIR (a folder of class folders of JPEG/PNG files) "
                          "or --task-opt shards=DIR|GLOB|URL (WebDataset tar shards)")
@@ -80,11 +85,23 @@ def make_images(root: str = "", size: int = 64, eval_root: str = "", width: int 
                 eval=held_out, info={"classes": listing.classes, "size": size})
 
 
-def _on_shards(shards: str, size: int, width: int, stages: int, blocks: int, seed: int) -> Task:
-    everything = TarShards(shards, size, seed=seed)
+def _on_shards(shards: str, size: int, width: int, stages: int, blocks: int, seed: int, image_column: str,
+               label_column: str) -> Task:
+    parquet = shard_paths(shards, ".parquet")
+    if parquet and all(path.endswith(".parquet") for path in parquet):
+        def read(**options: Any) -> AugmentedImages:
+            return ParquetImages(parquet, size, image=image_column, label=label_column, **options)
+    else:
+        def read(**options: Any) -> AugmentedImages:
+            return TarShards(shards, size, **options)
+    everything = read(seed=seed)
     every = range(len(everything))
-    train = TarShards(shards, size, seed=seed, indices=[i for i in every if i % HELD_OUT_EVERY])
-    held_out = TarShards(shards, size, train=False, indices=[i for i in every if i % HELD_OUT_EVERY == 0])
-    classes = int(everything.index.label.max()) + 1
+    train = read(seed=seed, indices=[i for i in every if i % HELD_OUT_EVERY])
+    held_out = read(train=False, indices=[i for i in every if i % HELD_OUT_EVERY == 0])
+    if isinstance(everything, ParquetImages):
+        classes, files = int(everything.label.max()) + 1, len(parquet)
+    else:
+        assert isinstance(everything, TarShards)
+        classes, files = int(everything.index.label.max()) + 1, len(everything.index.shards)
     return Task(name="images", build_model=lambda: ResNet(classes, width, stages, blocks), train=train,
-                eval=held_out, info={"classes": classes, "size": size, "shards": len(everything.index.shards)})
+                eval=held_out, info={"classes": classes, "size": size, "shards": files})

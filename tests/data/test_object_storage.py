@@ -128,3 +128,23 @@ def test_tar_shards_in_a_bucket_read_their_members_by_range_like_local_shards(s3
     assert len(remote) == len(here) == 36 and remote.index.names == here.index.names
     for index in (0, 11, 35):
         assert torch.equal(remote.item_for_epoch(index, 1)[0], here.item_for_epoch(index, 1)[0])
+
+
+def test_two_ranks_fetch_tar_shards_whole_each_only_its_own_once(s3, tmp_path):
+    """With a cache (``--data-cache-mb``), a remote shard is fetched whole into it (one request, not one a
+    member) by the rank whose pieces hold it: 24 shards of 10 images, 2 ranks, 12 shards each, none twice."""
+    from mlscale.data.sampler import shard_indices
+    from mlscale.data.shards import TarShards, write_tar_shards
+
+    _, fs, _ = s3
+    folder = write_image_folder(tmp_path / "tree", classes=4, per_class=60, seed=4, sizes=(16, 24))
+    for path in write_tar_shards(folder, tmp_path / "shards", per_shard=10):
+        fs.put(str(path), f"bucket/many/{path.name}")
+    fetched = []
+    for rank in range(2):
+        data = TarShards("s3://bucket/many", size=8, seed=1)
+        data.use_object_cache(tmp_path / f"cache{rank}", 2**24)
+        for index in shard_indices(len(data), rank, 2, seed=0, epoch=0, shards=data.sample_shards()).tolist():
+            assert data.file(index).read(2) == b"\xff\xd8"  # a JPEG's first bytes
+        fetched.append({path.name for path in (tmp_path / f"cache{rank}").iterdir() if not path.suffix})
+    assert len(fetched[0]) == len(fetched[1]) == 12 and not fetched[0] & fetched[1]

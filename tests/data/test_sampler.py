@@ -1,10 +1,16 @@
-"""Properties of the sharding sampler over random data sizes, world sizes, seeds and offsets."""
+"""Properties of the sharding sampler over random data sizes, world sizes, seeds and offsets; for data stored in
+shards, also that a rank reads only its own shards."""
 
+import collections
+
+import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mlscale.data import ShardedSampler, epoch_order, shard_indices
+from mlscale.data.sampler import PARTITIONS
 
 sizes = st.integers(min_value=0, max_value=500)
 worlds = st.integers(min_value=1, max_value=9)
@@ -71,3 +77,60 @@ def test_sampler_works_with_a_dataloader():
     assert len(sampler) == 3
     sampler.set_epoch(1, start=3)
     assert list(sampler) == shard_indices(10, 1, 3, seed=5, epoch=1, start=3).tolist()
+
+
+# Data stored in shards (``shards=``: each sample's shard): the order that keeps a rank on its own shards.
+
+shard_sizes = st.lists(st.integers(min_value=1, max_value=40), min_size=1, max_size=30)
+
+
+def stored(sizes):
+    """Shard numbers of samples stored shard after shard, ``sizes[k]`` samples in shard ``k``."""
+    return np.repeat(np.arange(len(sizes)), sizes)
+
+
+@settings(max_examples=150, deadline=None)
+@given(shard_sizes, worlds, seeds, epochs, st.data())
+def test_a_sharded_order_keeps_every_property_of_the_plain_one(sizes, world, seed, epoch, data):
+    shards_of = stored(sizes)
+    size = len(shards_of)
+    order = epoch_order(size, seed, epoch, shards=shards_of).tolist()
+    assert sorted(order) == list(range(size))
+    assert torch.equal(epoch_order(size, seed, epoch, shards=shards_of), torch.tensor(order))
+    start = data.draw(st.integers(min_value=0, max_value=size))
+    parts = [shard_indices(size, r, world, seed=seed, epoch=epoch, start=start, drop_last=False,
+                           shards=shards_of).tolist() for r in range(world)]
+    assert sorted(i for part in parts for i in part) == sorted(order[start:])
+    assert max(map(len, parts)) - min(map(len, parts)) <= 1
+    batch = data.draw(st.integers(min_value=1, max_value=8))
+    one = shard_indices(size, 0, 1, seed=seed, epoch=epoch, shards=shards_of).tolist()
+    full = [shard_indices(size, r, world, seed=seed, epoch=epoch, shards=shards_of).tolist() for r in range(world)]
+    for step in range((size // world) // batch):
+        union = sorted(i for part in full for i in part[step * batch:(step + 1) * batch])
+        assert union == sorted(one[step * world * batch:(step + 1) * world * batch])
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 6, 8])
+def test_each_rank_reads_its_own_shards_the_same_every_epoch(world):
+    shards_of = stored([101] * 97)  # 9,797 samples in 97 shards: pieces cut inside shards, 5 samples left over
+    size = len(shards_of)
+    read = {}
+    for epoch in (0, 1):
+        for rank in range(world):
+            indices = shard_indices(size, rank, world, seed=4, epoch=epoch, shards=shards_of).numpy()
+            read[epoch, rank] = set(shards_of[indices].tolist())
+    for rank in range(world):
+        assert read[0, rank] == read[1, rank]
+        assert len(read[0, rank]) <= 97 / world + PARTITIONS / world + 2  # its pieces' shards, cut ones, left over
+    readers = collections.Counter(shard for rank in range(world) for shard in read[0, rank])
+    assert sum(count > 1 for count in readers.values()) <= PARTITIONS + 1  # a shard cut between pieces, left over
+    plain = {rank: set(shards_of[shard_indices(size, rank, world, seed=4, epoch=0).numpy()].tolist())
+             for rank in range(world)}
+    assert all(len(shards) == 97 for shards in plain.values())  # the order of in-memory data reads every shard
+
+
+def test_a_sharded_order_mixes_shards_within_a_batch_and_changes_every_epoch():
+    shards_of = stored([50] * 48)
+    first, second = (epoch_order(len(shards_of), 0, epoch, shards=shards_of) for epoch in (0, 1))
+    assert not torch.equal(first, second)
+    assert len(set(shards_of[first[:64].numpy()].tolist())) >= PARTITIONS  # a batch of 64 draws from 24 pieces
