@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING
 from mlscale.lazy import lazy_names
 
 if TYPE_CHECKING:
+    from mlscale.serve.launch import serve
     from mlscale.serve.options import ServeOptions
-    from mlscale.serve.server import serve
 
 __all__ = ["ServeOptions", "serve"]
 
-__getattr__, __dir__ = lazy_names(__name__, {"ServeOptions": "mlscale.serve.options", "serve": "mlscale.serve.server"})
+__getattr__, __dir__ = lazy_names(__name__, {"ServeOptions": "mlscale.serve.options", "serve": "mlscale.serve.launch"})

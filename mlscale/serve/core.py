@@ -26,6 +26,7 @@ from mlscale.serve.batcher import DeadlineExceeded, Overloaded, Replaced
 from mlscale.serve.cache import ResponseCache, cache_key
 from mlscale.serve.metrics import ServerMetrics
 from mlscale.serve.models import ModelSlot, ServedModel
+from mlscale.serve.peers import PUBLISH_S, Peers
 from mlscale.serve.protocol import BadRequest
 from mlscale.serve.rollout import Shadow, TrafficSplit
 from mlscale.serve.runtime import Inputs
@@ -72,7 +73,7 @@ class ServerState:
         self.exec_timeout_s, self.read_timeout_s = exec_timeout_s, read_timeout_s
         self.bodies = metrics.body_bytes = BodyBudget(max_inflight_bytes or 32 * max_body_bytes)
         self.not_live: str | None = None  # why liveness fails; once set it stays: a restart is the cure
-        self.peers: Any = None  # a worker of several (workers.Peers): readiness and metrics are shared
+        self.peers: Peers | None = None  # a worker of several: readiness and metrics are shared
         self._ready = False
         self.draining = False  # set by the first SIGTERM: never ready again
         self.tasks: list[asyncio.Task[None]] = []
@@ -115,8 +116,6 @@ class ServerState:
         if self.exec_timeout_s is not None:
             self.tasks.append(loop.create_task(self.watch_exec()))
         if self.peers is not None:
-            from mlscale.serve.workers import PUBLISH_S
-
             self.tasks.append(loop.create_task(self.publish_metrics(PUBLISH_S)))
         for slot in self.slots:
             await slot.load()

@@ -45,6 +45,7 @@ from mlscale.serve.protocol import (
     split_body,
     v2_response,
 )
+from mlscale.serve.rollout import compare
 
 T = TypeVar("T")
 
@@ -312,8 +313,6 @@ def build_app(state: ServerState) -> InferenceFrontend:
         return JSONResponse(describe.model_config(_served(request)))
 
     async def compare_versions(request: Request) -> Response:
-        from mlscale.serve.rollout import compare
-
         return JSONResponse(compare(state, request.path_params["name"]))
 
     async def model_statistics(request: Request) -> Response:

@@ -203,7 +203,7 @@ class ModelStats:
 class ServerMetrics:
     """One process's series. ``/metrics`` and the statistics calls read a ``MetricsView``: this
     process's series, merged, in a server of several workers, with what every other worker published
-    (``peers``, see ``mlscale.serve.workers``)."""
+    (``peers``, see ``mlscale.serve.peers``)."""
 
     def __init__(self, cache: ResponseCache | None = None) -> None:
         self.models: dict[tuple[str, str], ModelStats] = {}
@@ -211,7 +211,7 @@ class ServerMetrics:
         # requests refused before any model was chosen: a body too slow to arrive, or past the body budget
         self.refused = {"read_timeout": Counter(), "body_budget": Counter(), "connections": Counter()}
         self.body_bytes: Any = None  # the server's BodyBudget: request-body bytes held now
-        self.peers: Any = None  # a server of several workers: their published snapshots (workers.Peers)
+        self.peers: Any = None  # a server of several workers: their published snapshots (peers.Peers)
 
     def stats_for(self, model: str, version: str) -> ModelStats:
         """The series of one version; a version loaded again later (an alias moved back) continues them."""

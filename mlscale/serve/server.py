@@ -28,8 +28,11 @@ from mlscale.serve.core import GRPC_GRACE_S, ServerState
 from mlscale.serve.http import build_app
 from mlscale.serve.metrics import ServerMetrics
 from mlscale.serve.models import ModelSlot
-from mlscale.serve.options import ServeOptions
+from mlscale.serve.options import ServeOptions, split_share
+from mlscale.serve.peers import Peers
+from mlscale.serve.rollout import Shadow, TrafficSplit, route_hash_key
 from mlscale.serve.runtime import load_runtime
+from mlscale.serve.tracing import Tracer
 
 log = logging.getLogger("mlscale.serve")
 
@@ -74,8 +77,6 @@ async def _start_grpc(state: ServerState, *args: Any, **kwargs: Any) -> Any:
 
 def model_uris(uris: list[str], options: ServeOptions) -> list[str]:
     """Every version the server loads: the URIs served, then the canary's and the shadow's."""
-    from mlscale.serve.options import split_share
-
     extra = [split_share(value, name, required=name == "canary")[0]
              for name, value in (("canary", options.canary), ("shadow", options.shadow)) if value is not None]
     return [*uris, *extra]
@@ -84,9 +85,6 @@ def model_uris(uris: list[str], options: ServeOptions) -> list[str]:
 def build_state(uris: list[str], options: ServeOptions, registry: Registry) -> ServerState:
     """Every URI resolved and its runtime loaded (artifacts read and hashed) once, before listening.
     The response cache's bound is the whole server's: each of several workers has its share."""
-    from mlscale.serve.options import split_share
-    from mlscale.serve.rollout import Shadow, TrafficSplit, route_hash_key
-
     cache = ResponseCache(int(options.cache_mb * 1024 * 1024 / options.worker_count))
     metrics = ServerMetrics(cache)
 
@@ -122,8 +120,6 @@ def build_state(uris: list[str], options: ServeOptions, registry: Registry) -> S
             state.shadow = Shadow(extra, share, options.shadow_queue)
     state.reload_interval_s = options.reload_interval_s
     if options.otlp_endpoint:
-        from mlscale.serve.tracing import Tracer
-
         state.tracer = Tracer(options.otlp_endpoint)
         for each in state.slots:
             each.tracer = state.tracer
@@ -146,22 +142,8 @@ def bind(host: str, port: int, flag: str = "--port") -> socket.socket:
         raise MlscaleError(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None
 
 
-def serve(uris: list[str], *, options: ServeOptions | None = None, registry_location: str | None = None,
-          log_level: str = "warning") -> int:
-    """Serve until a signal; the exit code. Several workers (``options.workers``): see ``workers.py``."""
-    options = options or ServeOptions()
-    logging.basicConfig(level=logging.WARNING, format="mlscale serve: %(message)s")
-    if options.worker_count > 1:
-        from mlscale.serve.workers import supervise
-
-        return supervise(uris, options, registry_location)
-    sock = bind(options.host, options.port)
-    run_server(uris, options, registry_location, sock, log_level=log_level, announce=True)
-    return 0
-
-
 def run_server(uris: list[str], options: ServeOptions, registry_location: str | None, sock: socket.socket, *,
-               peers: Any = None, log_level: str = "warning", announce: bool = False) -> None:
+               peers: Peers | None = None, log_level: str = "warning", announce: bool = False) -> None:
     """One server process on ``sock`` (bound; listening already when it is a worker's, inherited)."""
     try:
         if options.grpc_port is not None and peers is None:  # grpc binds its own socket later: check it can

@@ -332,7 +332,7 @@ def _counted(peers, own: dict, series: str = "success") -> float:
 
 
 def test_dead_workers_counters_are_kept_in_one_file_per_worker_however_often_it_restarts(tmp_path):
-    from mlscale.serve.workers import Peers
+    from mlscale.serve.peers import Peers
 
     supervisor, reader = Peers(tmp_path, 2), Peers(tmp_path, 2, index=1)
     for generation in range(5):  # worker 0 answers 10 requests, dies, is restarted: five times
