@@ -20,8 +20,8 @@ from mlscale.serve.batching import batching_for
 from mlscale.serve.metrics import ServerMetrics
 from mlscale.serve.options import ServeOptions
 from mlscale.serve.protocol import BadRequest
-from mlscale.serve.runtime import Runtime, TensorSpec, load_runtime
-from mlscale.serve.runtimes import RUNTIMES
+from mlscale.serve.runtime import Runtime, TensorSpec
+from mlscale.serve.runtimes import RUNTIMES, load_runtime
 
 log = logging.getLogger("mlscale.serve")
 

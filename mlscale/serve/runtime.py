@@ -16,9 +16,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from mlscale.dtypes import V2_TO_NAME
-from mlscale.registry import ModelVersion, Registry
 from mlscale.registry.inputs import call_args
-from mlscale.serve.runtimes import choose
 
 Inputs = np.ndarray | dict[str, np.ndarray]  # a batch's inputs: one array, or one per input name
 V2_TO_NUMPY = {v2: np.dtype(name) for v2, name in V2_TO_NAME.items() if v2 != "BF16"}
@@ -95,13 +93,3 @@ class TensorSpec:
     def dtype(self) -> np.dtype:
         """The numpy dtype of arrays of this tensor (BF16: float32 arrays of BF16 values)."""
         return np.dtype(np.float32) if self.datatype == "BF16" else V2_TO_NUMPY[self.datatype]
-
-
-PRECISIONS = {"fp16": "FP16", "bf16": "BF16"}
-
-
-def load_runtime(registry: Registry, version: ModelVersion, kind: str = "auto", threads: int = 1,
-                 precision: str = "as-trained") -> Runtime:
-    """The runtime ``kind`` names (or ``auto`` picks), loaded: see ``runtimes.RUNTIMES``."""
-    runtime = choose(kind, version.artifacts, precision)
-    return runtime.load(registry, version, threads, PRECISIONS.get(precision))

@@ -1,5 +1,5 @@
 """The serving runtimes, named once. Each entry is read by everything that names a runtime:
-``ServeOptions.runtime`` and ``mlscale serve --runtime`` (``RUNTIME_CHOICES``), ``load_runtime`` (the
+``ServeOptions.runtime`` and ``mlscale serve --runtime`` (``RUNTIME_CHOICES``), ``load_runtime`` (below: the
 loader), ``ServedModel`` (the artifact it executes, whose hash starts the cache key) and ``describe``
 (the Triton platform and backend that model metadata and model config report).
 
@@ -76,3 +76,13 @@ def choose(kind: str, artifacts: Collection[str], precision: str = "as-trained")
         return RUNTIMES[kind]
     # none has its artifact: the last able one, whose loader says what is missing
     return next((runtime for runtime in able if runtime.artifact in artifacts), able[-1])
+
+
+PRECISIONS = {"fp16": "FP16", "bf16": "BF16"}
+
+
+def load_runtime(registry: Registry, version: ModelVersion, kind: str = "auto", threads: int = 1,
+                 precision: str = "as-trained") -> Runtime:
+    """The runtime ``kind`` names (or ``auto`` picks), loaded: see ``RUNTIMES``."""
+    runtime = choose(kind, version.artifacts, precision)
+    return runtime.load(registry, version, threads, PRECISIONS.get(precision))

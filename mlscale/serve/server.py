@@ -31,7 +31,7 @@ from mlscale.serve.models import ModelSlot
 from mlscale.serve.options import ServeOptions, split_share
 from mlscale.serve.peers import Peers
 from mlscale.serve.rollout import Shadow, TrafficSplit, route_hash_key
-from mlscale.serve.runtime import load_runtime
+from mlscale.serve.runtimes import load_runtime
 from mlscale.serve.tracing import Tracer
 
 log = logging.getLogger("mlscale.serve")

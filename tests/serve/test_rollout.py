@@ -177,7 +177,7 @@ def test_a_shadow_answers_copies_off_the_response_path_and_is_compared(serve_reg
             named = client.post(f"{base}/v2/models/digits/versions/2/infer", json=infer_body([rows[0].tolist()]))
             assert named.status_code == 403, named.text  # nor is it ever given to a request naming its version
             assert "shadow" in named.json()["error"] and "--expose-rollout-versions" in named.json()["error"]
-    from mlscale.serve.runtime import load_runtime
+    from mlscale.serve.runtimes import load_runtime
 
     registry = Registry(serve_registry)
     version_2 = load_runtime(registry, registry.resolve("models:/digits/2"))
