@@ -6,6 +6,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
+import importlib.util
 import io
 import os
 import random
@@ -15,6 +17,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import torch
 from safetensors.torch import load_file
@@ -23,6 +26,17 @@ from torch import nn
 from mlscale.tasks import Task, declare_task, make_task
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+@functools.cache
+def code_shape() -> ModuleType:
+    """``bench/code_shape.py``: the one reader of mlscale's imports (and its import graph) that the
+    layering tests share. A script, not a package module, so it is loaded by path."""
+    spec = importlib.util.spec_from_file_location("code_shape", REPO / "bench" / "code_shape.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass resolves its own module while being made
+    spec.loader.exec_module(module)
+    return module
 
 
 def run_cli(*args: str, timeout: float = 120, cwd: Path | None = None,

@@ -26,13 +26,11 @@ def render_training_job(*, config_path: str | None, nodes: int, image: str, name
     """The Job for ``mlscale train --config CONFIG`` on ``nodes`` pods, and notes on what it implies.
     ``options``: the other fields of ``TrainingJob``; ``max_restarts`` defaults to the config's."""
     from mlscale.config import build_config
-    from mlscale.train.plan import plan_job
+    from mlscale.train.planner import plan_job
     from mlscale.train.strategies import strategy_for
 
     config = build_config(config_path)
     if config.per_step:
-        from mlscale.errors import UsageError
-
         raise UsageError("bad value fault-tolerance='per-step': mlscale k8s train renders restart-all Jobs; a per-step "
                          "job needs a torchft lighthouse and one torchrun per replica group (docs/scale-out.md, "
                          "section 2b)")

@@ -28,7 +28,8 @@ from mlscale.rundir import RunDir
 from mlscale.tasks import make_task
 from mlscale.train.checkpoint import Checkpointer
 from mlscale.train.dist import LOCAL_HOST, member_from_environ, private_environment, stores_listening_on, under_launcher
-from mlscale.train.plan import JobPlan, plan_job
+from mlscale.train.plan import JobPlan
+from mlscale.train.planner import plan_job
 from mlscale.train.recovery import KNOCK_ON
 from mlscale.train.replica_groups import launch_replica_groups
 from mlscale.train.strategies import strategy_for

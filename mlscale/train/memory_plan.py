@@ -48,6 +48,7 @@ from mlscale.train.parallelize import (
     tp_plan,
 )
 from mlscale.train.stages import balance
+from mlscale.train.strategies import strategy_class
 from mlscale.train.trainer import build_optimizer
 
 MB = 2**20
@@ -344,8 +345,6 @@ class _Planner:
     def check(self, layout: Layout, config: TrainConfig, model: nn.Module) -> None:
         """The checks ``mlscale train`` makes of this layout before a worker starts (one line each), on
         ``model`` built on the meta device."""
-        from mlscale.train.strategies import strategy_class
-
         strategy = strategy_class(layout.strategy)
         strategy.check(config, layout.processes)
         if layout.strategy == "pipeline":  # split by its blocks, balanced as mlscale.train.stages balances them

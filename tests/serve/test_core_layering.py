@@ -3,10 +3,9 @@ never import each other, and a serving runtime is named once (``serve/runtimes.p
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
-from tests.helpers import REPO
+from tests.helpers import REPO, code_shape
 
 SERVE = REPO / "mlscale" / "serve"
 
@@ -14,14 +13,8 @@ SERVE = REPO / "mlscale" / "serve"
 def _imports(path: Path) -> set[str]:
     """Every module a file imports, at the top or inside a function (lazy imports count too), with
     ``from mlscale.serve import grpc`` counted as ``mlscale.serve.grpc``."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            found.add(node.module)
-            found |= {f"{node.module}.{alias.name}" for alias in node.names}
-    return found
+    shape = code_shape()
+    return {found.module for found in shape.imports(path, shape.module_files())}
 
 
 def _imports_module(path: Path, module: str) -> bool:
