@@ -297,7 +297,8 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
         if "memory_at_10x" in images:
             memory = images["memory_at_10x"]
             print(f"  memory reading tar shards of {memory['images'][1]:,} images: {memory['large_over_small']:.2f}x "
-                  f"that of {memory['images'][0]:,}")
+                  f"that of {memory['images'][0]:,}" + (f"; Parquet {memory['parquet_large_over_small']:.2f}x"
+                                                          if "parquet_large_over_small" in memory else ""))
         if "s3" in images:
             s3 = images["s3"]
             print(f"  images from S3: first epoch {s3['first']['images_per_s']:,.0f}/s, second "

@@ -266,9 +266,11 @@ RSS_SCRIPT = r'''
 import json, os, sys
 from mlscale.data.dataset import MapData
 from mlscale.data.pipeline import DatasetLoader
+from mlscale.data.parquet_images import ParquetImages
 from mlscale.data.shards import TarShards
-shards, batches = sys.argv[1], int(sys.argv[2])
-loader = DatasetLoader(MapData(TarShards(shards, 32, seed=0)), rank=0, world=1, batch_size=64, seed=0, workers=2)
+shards, batches, kind = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+dataset = TarShards(shards, 32, seed=0) if kind == "tar" else ParquetImages(shards, 32, seed=0)
+loader = DatasetLoader(MapData(dataset), rank=0, world=1, batch_size=64, seed=0, workers=2)
 for _ in range(batches):
     next(loader)
 def rss(pid):
@@ -284,23 +286,33 @@ loader.close()
 
 
 def rss_at_scale(folder: Path, counts: tuple[int, int], batches: int = 40) -> dict[str, Any]:
-    """The resident memory of a process reading WebDataset tar shards through 2 data workers (``batches``
-    batches of 64), for tar shards of ``counts[0]`` and of ``counts[1]`` images: does memory grow with the
-    data set? (Its index is 20 bytes an image, kept as arrays.)"""
+    """The resident memory of a process reading shards through 2 data workers (``batches`` batches of 64), for
+    ``counts[0]`` and ``counts[1]`` images, as WebDataset tar shards of 1,000 and as Parquet files of 1,000 rows
+    in row groups of 100: does memory grow with the data set? (A tar index is 20 bytes an image, kept as arrays;
+    Parquet's row-group map and labels about as much; a process keeps the row groups it is reading.)"""
     from mlscale.data.images import write_image_folder
+    from mlscale.data.parquet_images import write_parquet_images
     from mlscale.data.shards import write_tar_shards
 
-    measured = {}
+    measured: dict[str, dict[str, Any]] = {"tar": {}, "parquet": {}}
     for count in counts:
         images = write_image_folder(folder / f"rss-{count}", classes=10, per_class=count // 10, sizes=(32, 48))
-        shards = write_tar_shards(images, folder / f"rss-shards-{count}", per_shard=1000)
-        result = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(shards[0].parent), str(batches)],
-                                capture_output=True, text=True, timeout=600)
-        if result.returncode != 0:
-            raise RuntimeError(f"the RSS run failed: {result.stderr.strip().splitlines()[-1:]}")
-        measured[str(count)] = json.loads(result.stdout.strip().splitlines()[-1])
-    small, large = (measured[str(c)]["main_bytes"] + measured[str(c)]["workers_bytes"] for c in counts)
-    return {"images": list(counts), "rss": measured, "large_over_small": large / small}
+        written = {"tar": write_tar_shards(images, folder / f"rss-shards-{count}", per_shard=1000),
+                   "parquet": write_parquet_images(images, folder / f"rss-parquet-{count}", per_file=1000,
+                                                   per_group=100)}
+        for kind, files in written.items():
+            result = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(files[0].parent), str(batches), kind],
+                                    capture_output=True, text=True, timeout=600)
+            if result.returncode != 0:
+                raise RuntimeError(f"the RSS run failed: {result.stderr.strip().splitlines()[-1:]}")
+            measured[kind][str(count)] = json.loads(result.stdout.strip().splitlines()[-1])
+
+    def ratio(kind: str) -> float:
+        small, large = (measured[kind][str(c)]["main_bytes"] + measured[kind][str(c)]["workers_bytes"] for c in counts)
+        return large / small
+
+    return {"images": list(counts), "rss": measured["tar"], "large_over_small": ratio("tar"),
+            "parquet_rss": measured["parquet"], "parquet_large_over_small": ratio("parquet")}
 
 
 def s3_epochs(root: Path, crop: int, batches: int, workers: int) -> dict[str, Any]:

@@ -76,6 +76,7 @@ def test_the_images_suite_measures_every_system_and_s3_with_tiny_settings(tmp_pa
     assert 0 < images["s3"]["objects_fetched"] <= 200 and images["s3"]["second"]["images_per_s"] > 0
     assert (tmp_path / "data.png").stat().st_size > 10_000
     assert len(images["end_to_end"]["per_rank"]) == 2 and images["memory_at_10x"]["images"] == [100, 1000]
+    assert images["memory_at_10x"]["parquet_large_over_small"] > 0
 
 
 def test_the_text_suite_measures_packing_against_a_plain_loop(tmp_path):

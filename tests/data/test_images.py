@@ -100,3 +100,20 @@ def test_uint8_images_normalised_in_the_model_equal_images_normalised_in_the_loa
     assert pixels.dtype == torch.uint8 and expected.dtype == torch.float32
     assert torch.allclose(Normalize()(pixels), expected, atol=1e-5)
     assert Normalize().double()(pixels).dtype == torch.float64  # the run's dtype, with the model
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_batch_of_images_is_stacked_channels_last_with_the_values_of_a_plain_stack(folder, workers):
+    """Decoded images are ``H x W x 3`` in memory: the batch keeps that layout (one copy a sample, not a
+    transposing copy of the batch), in the training process and in a data worker's shared memory."""
+    data = MapData(ImageFolder(folder, size=24, seed=1))
+    loader = DatasetLoader(data, rank=0, world=1, batch_size=4, seed=0, workers=workers)
+    try:
+        images, labels = next(loader)
+        ids = loader.last_ids.tolist()
+    finally:
+        loader.close()
+    plain = torch.stack([data.item(i, 0)[0].contiguous() for i in ids])
+    assert images.is_contiguous(memory_format=torch.channels_last) and not images.is_contiguous()
+    assert torch.equal(images, plain) and labels.tolist() == [data.item(i, 0)[1] for i in ids]
+    assert images.is_shared() == (workers > 0)
