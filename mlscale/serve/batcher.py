@@ -45,6 +45,7 @@ WORTH_WAITING_FOR_S = 200e-6
 # One batch's time counts for at most this many times its prediction, plus the floor (CostModel.observe).
 OUTLIER_FACTOR, OUTLIER_FLOOR_S = 10.0, 20e-6
 log = logging.getLogger("mlscale.serve")
+# This process may run on one core only: the default of ``DynamicBatcher``'s ``one_core``.
 ONE_CORE = hasattr(os, "sched_getaffinity") and len(os.sched_getaffinity(0)) == 1
 
 
@@ -164,17 +165,19 @@ class LatencyGuard:
 class DynamicBatcher:
     def __init__(self, runtime: Runtime, *, stats: ModelStats, max_batch_size: int, max_delay_s: float,
                  queue_limit: int, slo_s: float | None, timeout_s: float, inline: bool = True,
-                 instances: int = 1, batching: Batching | None = None) -> None:
+                 instances: int = 1, batching: Batching | None = None, one_core: bool = ONE_CORE) -> None:
         """``inline=False``: every batch runs on the execution thread, never on the event loop, so the
         loop can always answer a liveness probe while a model call runs (``--exec-timeout-s``).
         ``instances``: batches run at once, each on a thread of its own calling the one runtime (its
         weights shared: onnxruntime sessions and torch modules in inference mode may be called from
         several threads); while they run, the next batch forms from what arrives. ``batching``: how
-        requests' inputs are put together (default: concatenated, every shape past the batch fixed)."""
+        requests' inputs are put together (default: concatenated, every shape past the batch fixed).
+        ``one_core``: the batcher has about one core to itself (a one-core host, or a worker of as many
+        as there are cores), so without an SLO every batch runs inline (``INLINE_BELOW_S``'s note)."""
         self.runtime, self.stats, self.instances = runtime, stats, instances
         self.max_batch_size, self.max_delay_s = max_batch_size, max_delay_s
         self.queue_limit, self.slo_s, self.timeout_s = queue_limit, slo_s, timeout_s
-        self.inline = inline
+        self.inline, self.one_core = inline, one_core
         self.batching = batching or Batching()
         self.cost_model = CostModel()
         self.guard = None if slo_s is None else LatencyGuard(
@@ -349,7 +352,7 @@ class DynamicBatcher:
         self._calls[call] = start
         self.stats.executing.set(len(self._calls))
         try:
-            if self.inline and self.instances == 1 and ((ONE_CORE and self.slo_s is None) or (
+            if self.inline and self.instances == 1 and ((self.one_core and self.slo_s is None) or (
                     predicted is not None and predicted < INLINE_BELOW_S)):
                 output = self.runtime.run(array)
             else:

@@ -3,7 +3,7 @@ a request can end in (an HTTP status, which the gRPC service maps to its code: `
 
 ``http.py`` (the HTTP app) and ``grpc.py`` (the gRPC service) each import this module and never each
 other; this module imports neither. The gRPC service is started with the models by a hook
-(``ServerState.start_grpc``) that ``server.py``, which wires both transports, sets.
+(``ServerState.start_grpc``) that ``server.py``, which wires both transports, passes in.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from mlscale.serve.batcher import DeadlineExceeded, Overloaded, Replaced
 from mlscale.serve.cache import ResponseCache, cache_key
 from mlscale.serve.metrics import ServerMetrics
 from mlscale.serve.models import ModelSlot, ServedModel
+from mlscale.serve.options import ServeOptions
 from mlscale.serve.peers import PUBLISH_S, Peers
 from mlscale.serve.protocol import BadRequest
 from mlscale.serve.rollout import Shadow, TrafficSplit
@@ -66,30 +67,42 @@ GrpcStarter = Callable[..., Awaitable[Any]]
 
 
 class ServerState:
-    def __init__(self, slots: list[ModelSlot], metrics: ServerMetrics, cache: ResponseCache, max_body_bytes: int,
-                 exec_timeout_s: float | None = None, read_timeout_s: float = 10.0,
-                 max_inflight_bytes: int | None = None) -> None:
-        self.slots, self.metrics, self.cache, self.max_body_bytes = slots, metrics, cache, max_body_bytes
-        self.exec_timeout_s, self.read_timeout_s = exec_timeout_s, read_timeout_s
-        self.bodies = metrics.body_bytes = BodyBudget(max_inflight_bytes or 32 * max_body_bytes)
+    """One server process's state, whole from its construction: the slots (every version the server
+    loads, canary and shadow included), the options it runs under, the traffic splits, the shadow, the
+    tracer, the other workers (``peers``) and the gRPC service's start. What changes later is what
+    running changes: readiness, the drain, the gRPC server once started, the loop's lag."""
+
+    def __init__(self, slots: list[ModelSlot], metrics: ServerMetrics, cache: ResponseCache, options: ServeOptions,
+                 *, splits: dict[str, TrafficSplit] | None = None, shadow: Shadow | None = None,
+                 tracer: tracing.Tracer | None = None, peers: Peers | None = None,
+                 start_grpc: GrpcStarter | None = None) -> None:
+        """``splits``: model name -> its traffic split with a canary; ``shadow``: copies of one model's
+        requests, answered off the response path; ``peers``: the other workers of a server of several
+        (readiness and metrics shared); ``start_grpc``: the gRPC service's start (core imports no
+        transport), called with the models in ``start`` when ``options.grpc_port`` is set."""
+        self.slots, self.metrics, self.cache = slots, metrics, cache
+        self.max_body_bytes = options.max_body_bytes
+        self.exec_timeout_s, self.read_timeout_s = options.exec_timeout_s, options.read_timeout_s
+        self.bodies = metrics.body_bytes = BodyBudget(options.max_inflight_bytes or 32 * options.max_body_bytes)
+        self.splits, self.shadow, self.tracer, self.peers = splits or {}, shadow, tracer, peers
+        self.route_header = options.route_header.lower().encode()  # its value keeps a caller on one version
+        self.expose_rollout_versions = options.expose_rollout_versions  # a request may name a canary's version
+        self.reload_interval_s = options.reload_interval_s
+        self.start_grpc = start_grpc
+        self.grpc_address: str | None = None  # where the gRPC service listens, once the models are loaded
+        if options.grpc_port is not None and start_grpc is not None:
+            host = f"[{options.host}]" if ":" in options.host else options.host
+            self.grpc_address = f"{host}:{options.grpc_port}"
+        # calls in flight before new ones get RESOURCE_EXHAUSTED
+        self.grpc_max_calls = options.connection_limit if self.grpc_address is not None else None
+        self.grpc_shared_port = peers is not None  # every worker binds the gRPC port (SO_REUSEPORT)
         self.not_live: str | None = None  # why liveness fails; once set it stays: a restart is the cure
-        self.peers: Peers | None = None  # a worker of several: readiness and metrics are shared
         self._ready = False
         self.draining = False  # set by the first SIGTERM: never ready again
         self.tasks: list[asyncio.Task[None]] = []
-        self.grpc_address: str | None = None  # where the gRPC service listens, once the models are loaded
-        self.grpc_max_calls: int | None = None  # calls in flight before new ones get RESOURCE_EXHAUSTED
-        self.grpc_shared_port = False  # several workers bind the gRPC port (SO_REUSEPORT)
-        self.start_grpc: GrpcStarter | None = None  # the gRPC service's start_grpc, set by server.py
         self.grpc_server: Any = None
         self._grpc_stop: tuple[float, asyncio.Future[None]] | None = None  # (grace, the stop under way)
         self.loop_lag_s = 0.0  # how late the event loop runs what is ready: the server's own backlog
-        self.splits: dict[str, TrafficSplit] = {}  # model name -> its traffic split with a canary
-        self.shadow: Shadow | None = None  # copies of one model's requests, answered off the response path
-        self.route_header = b"x-route-key"  # the header whose value keeps a caller on one version
-        self.expose_rollout_versions = False  # a request may name a canary's or a shadow's version
-        self.reload_interval_s = 2.0
-        self.tracer: tracing.Tracer | None = None  # exports request traces (--otlp-endpoint)
 
     @property
     def ready(self) -> bool:

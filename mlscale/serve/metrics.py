@@ -205,13 +205,15 @@ class ServerMetrics:
     process's series, merged, in a server of several workers, with what every other worker published
     (``peers``, see ``mlscale.serve.peers``)."""
 
-    def __init__(self, cache: ResponseCache | None = None) -> None:
+    def __init__(self, cache: ResponseCache | None = None, peers: Any = None) -> None:
+        """``peers``: the other workers of a server of several (``peers.Peers``), whose series a view
+        merges; None for a server of one process."""
         self.models: dict[tuple[str, str], ModelStats] = {}
         self.cache = cache  # read at scrape time: the bytes it really holds, never a stale copy
         # requests refused before any model was chosen: a body too slow to arrive, or past the body budget
         self.refused = {"read_timeout": Counter(), "body_budget": Counter(), "connections": Counter()}
         self.body_bytes: Any = None  # the server's BodyBudget: request-body bytes held now
-        self.peers: Any = None  # a server of several workers: their published snapshots (peers.Peers)
+        self.peers = peers
 
     def stats_for(self, model: str, version: str) -> ModelStats:
         """The series of one version; a version loaded again later (an alias moved back) continues them."""

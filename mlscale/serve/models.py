@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from mlscale.registry import ModelVersion, Registry, parse_uri
-from mlscale.serve.batcher import DynamicBatcher
+from mlscale.serve.batcher import ONE_CORE, DynamicBatcher
 from mlscale.serve.batching import batching_for
 from mlscale.serve.metrics import ServerMetrics
 from mlscale.serve.options import ServeOptions
@@ -62,7 +62,8 @@ class ServedModel:
                                       timeout_s=options.timeout_ms / 1e3,
                                       inline=options.exec_timeout_s is None and role != "shadow",
                                       instances=options.instances, batching=batching_for(self.inputs, self.output),
-                                      queue_limit=options.shadow_queue if role == "shadow" else options.queue_limit)
+                                      queue_limit=options.shadow_queue if role == "shadow" else options.queue_limit,
+                                      one_core=ONE_CORE or options.core_per_worker)
         self.features = None  # a model trained from features: what turns entity keys into its input
         if version.config.get("task") == "features":
             from mlscale.serve.featured import FeatureInputs
@@ -96,17 +97,26 @@ class ServedModel:
 
 class ModelSlot:
     def __init__(self, uri: str, registry: Registry, options: ServeOptions, metrics: ServerMetrics,
-                 loaded: tuple[ModelVersion, Runtime] | None = None, role: str = "primary") -> None:
+                 loaded: tuple[ModelVersion, Runtime] | None = None, role: str = "primary",
+                 tracer: Any = None) -> None:
         """``loaded``: the version and runtime already loaded (and verified) at start, so that a model
         is read and hashed once, not again when the server begins to listen. ``role``: primary, canary
-        (a share of the model's requests) or shadow (copies of them)."""
+        (a share of the model's requests) or shadow (copies of them). ``tracer``: the server's
+        ``tracing.Tracer`` (``--otlp-endpoint``), handed to each version's batcher."""
         self.uri, self.parsed, self.role = uri, parse_uri(uri), role
         self.registry, self.options, self.metrics = registry, options, metrics
         self.current: ServedModel | None = None
         self.follows = self.parsed.version is None
-        self.tracer: Any = None  # the server's tracing.Tracer, handed to each version's batcher
+        self.tracer = tracer
         self._loaded = loaded
 
+    @property
+    def number(self) -> int | None:
+        """The version served now or, before the first load, the one loaded at start (None: neither
+        yet); what a canary or shadow is checked against (another version of the model served)."""
+        if self.current is not None:
+            return self.current.number
+        return self._loaded[0].version if self._loaded is not None else None
     @property
     def name(self) -> str:
         return self.parsed.name

@@ -118,6 +118,13 @@ class ServeOptions(BaseModel):
         return usable_cores() if self.workers == "auto" else self.workers
 
     @property
+    def core_per_worker(self) -> bool:
+        """Several workers, as many as the cores or more: each has about a core of its own, so its small
+        batches run on its event loop as on a one-core host (``DynamicBatcher``'s ``one_core``)."""
+        count = self.worker_count
+        return count > 1 and count >= usable_cores()
+
+    @property
     def max_body_bytes(self) -> int:
         return int(self.max_body_mb * 1024 * 1024)
 

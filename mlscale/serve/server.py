@@ -24,7 +24,7 @@ from mlscale.errors import MlscaleError, UsageError
 from mlscale.log_limits import limit_client_fed_logs
 from mlscale.registry import Registry, parse_uri
 from mlscale.serve.cache import ResponseCache
-from mlscale.serve.core import GRPC_GRACE_S, ServerState
+from mlscale.serve.core import GRPC_GRACE_S, GrpcStarter, ServerState
 from mlscale.serve.http import build_app
 from mlscale.serve.metrics import ServerMetrics
 from mlscale.serve.models import ModelSlot
@@ -82,22 +82,24 @@ def model_uris(uris: list[str], options: ServeOptions) -> list[str]:
     return [*uris, *extra]
 
 
-def build_state(uris: list[str], options: ServeOptions, registry: Registry) -> ServerState:
-    """Every URI resolved and its runtime loaded (artifacts read and hashed) once, before listening.
-    The response cache's bound is the whole server's: each of several workers has its share."""
+def build_state(uris: list[str], options: ServeOptions, registry: Registry, *, peers: Peers | None = None,
+                start_grpc: GrpcStarter | None = None) -> ServerState:
+    """Every URI resolved and its runtime loaded (artifacts read and hashed) once, before listening; the
+    state built whole from them. The response cache's bound is the whole server's: each of several
+    workers has its share. ``peers``: the other workers of a server of several; ``start_grpc``: the gRPC
+    service's start, when it is to run."""
     cache = ResponseCache(int(options.cache_mb * 1024 * 1024 / options.worker_count))
-    metrics = ServerMetrics(cache)
+    metrics = ServerMetrics(cache, peers=peers)
+    tracer = Tracer(options.otlp_endpoint) if options.otlp_endpoint else None
 
     def slot(uri: str, role: str = "primary") -> ModelSlot:
         version = registry.resolve(uri)  # fail fast: unknown models, missing ONNX artifacts, undeclared tasks
         runtime = load_runtime(registry, version, options.runtime, options.threads, options.precision)
-        return ModelSlot(uri, registry, options, metrics, loaded=(version, runtime), role=role)
+        return ModelSlot(uri, registry, options, metrics, loaded=(version, runtime), role=role, tracer=tracer)
 
     slots = [slot(uri) for uri in uris]
-    state = ServerState(slots, metrics, cache, options.max_body_bytes, exec_timeout_s=options.exec_timeout_s,
-                        read_timeout_s=options.read_timeout_s, max_inflight_bytes=options.max_inflight_bytes)
-    state.route_header = options.route_header.lower().encode()
-    state.expose_rollout_versions = options.expose_rollout_versions
+    splits: dict[str, TrafficSplit] = {}
+    shadow = None
     for flag in ("canary", "shadow"):
         value = getattr(options, flag)
         if value is None:
@@ -109,21 +111,16 @@ def build_state(uris: list[str], options: ServeOptions, registry: Registry) -> S
             raise UsageError(f"--{flag} {uri}: no model named {name} is served; a {flag} is another version "
                              f"of a model served ({', '.join(sorted({s.name for s in slots}))})")
         extra = slot(uri, role=flag)
-        loaded = extra._loaded[0].version if extra._loaded else None
-        if any(other.name == name and other._loaded and other._loaded[0].version == loaded for other in state.slots):
-            raise UsageError(f"--{flag} {uri} is version {loaded} of {name}, which the server holds already: a "
-                             f"{flag} is another version, to compare with the one served")
-        state.slots.append(extra)
+        if any(other.name == name and other.number == extra.number for other in slots):
+            raise UsageError(f"--{flag} {uri} is version {extra.number} of {name}, which the server holds already: "
+                             f"a {flag} is another version, to compare with the one served")
+        slots.append(extra)
         if flag == "canary":
-            state.splits[name] = TrafficSplit(primary, extra, share, route_hash_key(options.route_secret))
+            splits[name] = TrafficSplit(primary, extra, share, route_hash_key(options.route_secret))
         else:
-            state.shadow = Shadow(extra, share, options.shadow_queue)
-    state.reload_interval_s = options.reload_interval_s
-    if options.otlp_endpoint:
-        state.tracer = Tracer(options.otlp_endpoint)
-        for each in state.slots:
-            each.tracer = state.tracer
-    return state
+            shadow = Shadow(extra, share, options.shadow_queue)
+    return ServerState(slots, metrics, cache, options, splits=splits, shadow=shadow, tracer=tracer, peers=peers,
+                       start_grpc=start_grpc)
 
 
 def bind(host: str, port: int, flag: str = "--port") -> socket.socket:
@@ -148,18 +145,12 @@ def run_server(uris: list[str], options: ServeOptions, registry_location: str | 
     try:
         if options.grpc_port is not None and peers is None:  # grpc binds its own socket later: check it can
             bind(options.host, options.grpc_port, flag="--grpc-port").close()
-        state = build_state(uris, options, Registry(registry_location, create=False))
+        # the gRPC service starts with the models, in the server's event loop (ServerState.start)
+        state = build_state(uris, options, Registry(registry_location, create=False), peers=peers,
+                            start_grpc=_start_grpc)
     except BaseException:
         sock.close()
         raise
-    if peers is not None:
-        state.peers = state.metrics.peers = peers
-    if options.grpc_port is not None:
-        host = f"[{options.host}]" if ":" in options.host else options.host
-        state.grpc_address = f"{host}:{options.grpc_port}"
-        state.grpc_max_calls = options.connection_limit
-        state.grpc_shared_port = peers is not None  # every worker binds it, SO_REUSEPORT
-        state.start_grpc = _start_grpc  # with the models, in the server's event loop (ServerState.start)
     logging.basicConfig(level=logging.WARNING, format="mlscale serve: %(message)s")
     limit_client_fed_logs()  # a warning a request can cause: once an interval, with a count
     # No proxy-header rewriting (nothing here reads the client address) and no Server/Date headers:

@@ -10,8 +10,7 @@ import socket
 import sys
 
 from mlscale.errors import MlscaleError, report_error
-from mlscale.serve import batcher
-from mlscale.serve.options import ServeOptions, usable_cores
+from mlscale.serve.options import ServeOptions
 from mlscale.serve.peers import Peers
 from mlscale.serve.server import run_server
 
@@ -20,8 +19,6 @@ def worker_main() -> int:
     """The spec from standard input, the listening socket inherited, then the server; the exit code."""
     spec = json.loads(sys.stdin.buffer.read())
     options = ServeOptions(**spec["options"])
-    # each worker has about a core of its own: as on a one-core host, small batches run on the event loop
-    batcher.ONE_CORE = batcher.ONE_CORE or options.worker_count >= usable_cores()
     sock = socket.socket(fileno=spec["fd"])
     peers = Peers(spec["directory"], options.worker_count, spec["index"], spec["generation"])
     try:
