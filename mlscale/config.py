@@ -38,8 +38,9 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-# --strategy: how the model is spread over processes (mlscale.train.strategies has one class per name)
-STRATEGIES = {
+# --strategy's names and their help (torch-free, for --help); mlscale.train.strategies.STRATEGIES maps the
+# same names, in the same order, to their classes (a test holds them equal)
+STRATEGY_HELP = {
     "ddp": "full replicas, gradients all-reduced",
     "fsdp": "parameters, gradients and optimizer state sharded over the workers",
     "tp": "tensor-parallel transformer blocks",
@@ -341,7 +342,7 @@ class TrainConfig(BaseModel):
         1, "processes: data-parallel replicas under ddp and fsdp, ranks splitting one replica under tp, stages x "
         "replicas under pipeline, workers besides the servers under ps; replica groups under per-step",
         metavar="N", ge=1)
-    strategy: str = option("ddp", "; ".join(f"{name}: {text}" for name, text in STRATEGIES.items()))
+    strategy: str = option("ddp", "; ".join(f"{name}: {text}" for name, text in STRATEGY_HELP.items()))
     steps: int | None = option(None, "optimizer steps to run", metavar="K", ge=1)
     epochs: float | None = option(None, "passes over the training data (default when --steps is not given: 10)",
                                   metavar="E", gt=0)
@@ -377,8 +378,8 @@ class TrainConfig(BaseModel):
     @field_validator("strategy")
     @classmethod
     def _known_strategy(cls, name: str) -> str:
-        if name not in STRATEGIES:
-            raise ValueError(f"unknown strategy (known: {', '.join(STRATEGIES)})")
+        if name not in STRATEGY_HELP:
+            raise ValueError(f"unknown strategy (known: {', '.join(STRATEGY_HELP)})")
         return name
 
     @model_validator(mode="after")

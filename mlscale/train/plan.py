@@ -40,6 +40,27 @@ class MeshDims:
     tp: int = 1
     pp: int = 1
 
+    def __post_init__(self) -> None:
+        for name, degree in asdict(self).items():
+            if not isinstance(degree, int) or isinstance(degree, bool) or degree < 1:
+                raise ValueError(f"mesh degree {name}={degree!r}: a whole number of at least 1")
+
+    @property
+    def dp_replicate_enabled(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
+    def dp_shard_enabled(self) -> bool:
+        return self.dp_shard > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
     @property
     def size(self) -> int:
         return self.dp_replicate * self.dp_shard * self.tp * self.pp
@@ -71,6 +92,23 @@ class JobPlan:
     total_steps: int | None = None  # optimizer steps of the job (None: the data was not read, as for k8s)
     train_samples: int | None = None
     notes: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        """A plan that cannot be run is refused when made (or read back), not when a worker trips on it."""
+        problems = []
+        if self.world < 1 or self.replica_groups < 1 or not 0 <= self.servers < self.world:
+            problems.append(f"world {self.world}, replica groups {self.replica_groups}, servers {self.servers}")
+        if len(self.rank_shards) != self.world:
+            problems.append(f"{len(self.rank_shards)} ranks' data shards for a world of {self.world}")
+        if self.mesh.size != (self.world - self.servers) * self.replica_groups:
+            problems.append(f"a mesh of {self.mesh.size} training processes for {self.replica_groups} group(s) of "
+                            f"{self.world - self.servers}")
+        if not self.checkpoint_ranks or any(not 0 <= rank < self.world for rank in self.checkpoint_ranks):
+            problems.append(f"checkpoint ranks {self.checkpoint_ranks} outside a world of {self.world}")
+        if self.batch_size < 1 or self.grad_accum < 1:
+            problems.append(f"batch size {self.batch_size} x {self.grad_accum} micro-steps")
+        if problems:
+            raise ValueError(f"an inconsistent {self.strategy} plan: {'; '.join(problems)}")
 
     @property
     def processes(self) -> int:

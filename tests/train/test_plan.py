@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -59,7 +60,7 @@ def test_a_run_writes_its_plan_beside_its_configuration(tmp_path):
 
 
 def test_every_declared_strategy_has_its_class_and_every_class_is_declared():
-    from mlscale.config import STRATEGIES as DECLARED
+    from mlscale.config import STRATEGY_HELP as DECLARED
     from mlscale.train.strategies import STRATEGIES
 
     assert list(STRATEGIES) == list(DECLARED)
@@ -73,3 +74,20 @@ def test_a_strategy_owns_its_options_group_and_the_group_applies_to_it_alone():
     assert set(owned) == {"ddp", "pipeline", "ps"}
     for name, model in owned.items():
         assert model in GROUPS.values() and model.only["strategy"] == (name,)
+
+
+def test_mesh_degrees_and_a_plan_that_cannot_run_are_refused_when_made():
+    assert MeshDims(dp_replicate=2, tp=2).tp_enabled and not MeshDims(dp_replicate=2, tp=2).pp_enabled
+    for bad in ({"tp": 0}, {"pp": -1}, {"dp_shard": 1.5}, {"dp_replicate": True}):
+        with pytest.raises(ValueError, match="mesh degree"):
+            MeshDims(**bad)
+    good = dict(strategy="ddp", fault_tolerance="restart", world=2, replica_groups=1, servers=0,
+                mesh=MeshDims(dp_replicate=2), rank_shards=[0, 1], checkpoint_ranks=[0], batch_size=4, grad_accum=1)
+    assert JobPlan(**good).global_batch == 8
+    for change, words in (({"mesh": MeshDims(dp_replicate=3)}, "a mesh of 3 training processes"),
+                          ({"rank_shards": [0]}, "1 ranks' data shards for a world of 2"),
+                          ({"checkpoint_ranks": [2]}, "checkpoint ranks [2]"),
+                          ({"grad_accum": 0}, "batch size 4 x 0"),
+                          ({"servers": 2}, "servers 2")):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            JobPlan(**{**good, **change})
