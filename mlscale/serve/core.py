@@ -116,9 +116,11 @@ class ServerState:
             self.peers.set_ready(value)
 
     async def publish_metrics(self, period_s: float) -> None:
-        """A worker's metrics, published for the others to merge into the whole server's."""
+        """What only this worker knows of its metrics (its counters are in its cells, which the others
+        read as they are), published for the others to merge into the whole server's."""
+        assert self.peers is not None
         while True:
-            self.peers.publish(self.metrics.snapshot())
+            self.peers.publish(self.metrics.local())
             await asyncio.sleep(period_s)
 
     async def start(self) -> None:
@@ -156,7 +158,7 @@ class ServerState:
             if slot.current is not None:
                 await slot.current.close()
         if self.peers is not None:
-            self.peers.publish(self.metrics.snapshot())  # the last word: what it answered while draining
+            self.peers.publish(self.metrics.local())  # the last word: nothing held once drained
         if self.tracer is not None:
             await asyncio.to_thread(self.tracer.shutdown)  # the spans not yet exported
 

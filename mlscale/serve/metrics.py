@@ -1,10 +1,12 @@
 """Prometheus metrics, named after Triton's where Triton has one (``nv_`` becomes ``mlscale_``).
 
-The values live in plain Python objects and are turned into Prometheus metric families only when
-``/metrics`` is scraped (a custom collector, as high-rate exporters do). prometheus_client's own
-Counter and Histogram take a lock on every update; a cache hit made five such updates, about a third
-of its time in the server. Every update here happens on the event loop's thread (the batcher records
-its batches after awaiting them), so no lock is needed.
+The values live in float64 cells (``cells.py``: a worker's are in a file the other workers read, so a
+scrape of any of them counts every worker's requests up to that moment) behind plain Python objects,
+and are turned into Prometheus metric families only when ``/metrics`` is scraped (a custom collector,
+as high-rate exporters do). prometheus_client's own Counter and Histogram take a lock on every update
+(and in its multiprocess mode a file write too); a cache hit made five such updates, about a third of
+its time in the server. Every update here happens on the event loop's thread (the batcher records its
+batches after awaiting them), so no lock is needed.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.utils import floatToGoString
 
 from mlscale.serve.cache import ResponseCache
+from mlscale.serve.cells import Block, Cells, Key, private_block
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -25,38 +28,61 @@ LABELS = ["model", "version"]
 
 
 class Counter:
-    __slots__ = ("value",)
+    """A count in a cell of its own."""
 
-    def __init__(self) -> None:
-        self.value = 0.0
+    __slots__ = ("at", "cells")
+
+    def __init__(self, block: Block | None = None) -> None:
+        self.cells, self.at = block or private_block(1)
+
+    @property
+    def value(self) -> float:
+        return self.cells[self.at]
 
     def inc(self, amount: float = 1.0) -> None:
-        self.value += amount
+        self.cells[self.at] += amount
 
 
-class Gauge:
-    __slots__ = ("value",)
+class Gauge(Counter):
+    """A value set, in a cell of its own."""
 
-    def __init__(self) -> None:
-        self.value = 0.0
+    __slots__ = ()
 
     def set(self, value: float) -> None:
-        self.value = value
+        self.cells[self.at] = value
 
 
 class Histogram:
-    __slots__ = ("bounds", "counts", "sum")
+    """Counts per bucket (the last one past every bound), then the sum, in cells of their own."""
 
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds, self.counts, self.sum = bounds, [0] * (len(bounds) + 1), 0.0
+    __slots__ = ("_sum_at", "at", "bounds", "cells")
+
+    def __init__(self, bounds: tuple[float, ...], block: Block | None = None) -> None:
+        self.bounds = bounds
+        self.cells, self.at = block or private_block(len(bounds) + 2)
+        self._sum_at = self.at + len(bounds) + 1
 
     def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.bounds, value)] += 1  # first bucket whose upper bound is >= value
-        self.sum += value
+        self.cells[self.at + bisect_left(self.bounds, value)] += 1  # first bucket whose upper bound is >= value
+        self.cells[self._sum_at] += value
+
+    @property
+    def counts(self) -> list[int]:
+        return [int(count) for count in self.cells[self.at:self._sum_at]]
+
+    @property
+    def sum(self) -> float:
+        return self.cells[self._sum_at]
 
     @property
     def count(self) -> int:
         return sum(self.counts)
+
+    def add(self, counts: list[int], total: float) -> None:
+        """Another histogram's counts and sum added (a whole-server view)."""
+        for index, count in enumerate(counts):
+            self.cells[self.at + index] += count
+        self.cells[self._sum_at] += total
 
     def buckets(self) -> list[tuple[str, float]]:
         cumulative, out = 0, []
@@ -104,39 +130,103 @@ HISTOGRAM_FIELDS = ("duration", "queue", "compute", "batch_size", "routed_durati
 GAUGE_FIELDS = ("queue_depth", "batch_target", "admission_limit", "loaded", "executing", "share")
 
 
-class ModelStats:
-    """One model version's series (``ServerMetrics.stats_for`` hands out one per version)."""
+ROLES = ("primary", "canary", "shadow")  # a version's role, kept in a cell as its index here
 
-    def __init__(self, model: str, version: str) -> None:
+
+def snapshot_of(cells: dict[Key, list[float]]) -> dict[str, Any]:
+    """A process's series as ``ServerMetrics.snapshot`` shapes them, from the cells of its file
+    (``cells.read_cells``); what only the process knows (the skew report, the cache's and the request
+    bodies' bytes) is not in it."""
+    models: dict[tuple[str, str], dict[str, Any]] = {}
+    refused = {}
+    for key, values in cells.items():
+        if key[0] == "refused":
+            refused[key[1]] = values[0]
+            continue
+        model, version, section, name = key
+        entry = models.get((model, version))
+        if entry is None:
+            entry = models[(model, version)] = {
+                "labels": [model, version], "role": "primary", "counters": {}, "cache": {}, "failures": {},
+                "client_errors": {}, "histograms": {}, "gauges": {}, "last_inference_ms": 0, "skew": []}
+        if section == "histograms":
+            entry[section][name] = [[int(count) for count in values[:-1]], values[-1]]
+        elif section == "state":
+            entry[name] = ROLES[int(values[0])] if name == "role" else int(values[0])
+        else:
+            entry[section][name] = values[0]
+    return {"models": list(models.values()), "refused": refused}
+
+
+class ModelStats:
+    """One model version's series (``ServerMetrics.stats_for`` hands out one per version), in ``cells``
+    (private ones when not given)."""
+
+    def __init__(self, model: str, version: str, cells: Cells | None = None) -> None:
         self.labels = [model, version]
-        self.role = "primary"  # how requests reach it: primary, canary (a share of them) or shadow (copies)
+        self._cells = cells or Cells()
+
+        def counter(section: str, name: str) -> Counter:
+            return Counter(self._cells.block((model, version, section, name), 1))
+
+        def gauge(name: str, section: str = "gauges") -> Gauge:
+            return Gauge(self._cells.block((model, version, section, name), 1))
+
+        def histogram(name: str, bounds: tuple[float, ...] = LATENCY_BUCKETS) -> Histogram:
+            return Histogram(bounds, self._cells.block((model, version, "histograms", name), len(bounds) + 2))
+
+        # how requests reach it: primary, canary (a share of them) or shadow (copies); an index of ROLES
+        self._role = gauge("role", "state")
         self.holders: dict[str, int] = {}  # role -> slots serving this version in it now (hold, release)
-        self.success, self.inferences, self.executions = Counter(), Counter(), Counter()
-        self.cache = {"hit": Counter(), "miss": Counter(), "coalesced": Counter()}
-        self.duration, self.queue, self.compute = (Histogram(LATENCY_BUCKETS) for _ in range(3))
-        self.batch_size = Histogram(BATCH_BUCKETS)
+        self.success, self.inferences, self.executions = (
+            counter("counters", name) for name in ("success", "inferences", "executions"))
+        self.cache = {how: counter("cache", how) for how in ("hit", "miss", "coalesced")}
+        self.duration, self.queue, self.compute = (histogram(name) for name in ("duration", "queue", "compute"))
+        self.batch_size = histogram("batch_size", BATCH_BUCKETS)
         self.queue_depth, self.batch_target, self.admission_limit, self.loaded, self.executing = (
-            Gauge() for _ in range(5))
+            gauge(name) for name in ("queue_depth", "batch_target", "admission_limit", "loaded", "executing"))
         self.failures: dict[str, Counter] = {}  # the server's failures by reason (5xx: overloaded, model, ...)
         # the client's mistakes by reason (4xx: a body that does not parse): apart, so that a client's
         # typos never count against a version (its error rate, a canary's promotion gate)
         self.client_errors: dict[str, Counter] = {}
-        self.last_inference_ms = 0  # wall clock of the last model execution (the statistics extension's)
+        # wall clock (ms) of the last model execution (the statistics extension's)
+        self._last_inference_ms = gauge("last_inference_ms", "state")
         # per request, as Triton counts compute: each request of a batch, with its batch's duration
-        self.compute_requests, self.compute_request_seconds = Counter(), Counter()
+        self.compute_requests, self.compute_request_seconds = (
+            counter("counters", name) for name in ("compute_requests", "compute_request_seconds"))
         self.feature_skew: Any = None  # a model served from features: its FeatureSkew
         self.skew_rows: list[dict[str, Any]] = []  # in a MetricsView: the skew report of a worker's snapshot
-        self.feature_log_failures = Counter()
-        self.routed = Counter()  # requests sent to this version by name, by the traffic split
+        self.feature_log_failures = counter("counters", "feature_log_failures")
+        self.routed = counter("counters", "routed")  # requests sent to this version by name, by the traffic split
         # what became of those routed requests: what `models compare` judges a canary (and its champion) by
-        self.routed_success, self.routed_failed, self.routed_client_errors = Counter(), Counter(), Counter()
-        self.routed_duration = Histogram(LATENCY_BUCKETS)
-        self.share = Gauge()  # the percentage of requests by name the split asks for (canary and primary)
+        self.routed_success, self.routed_failed, self.routed_client_errors = (
+            counter("counters", name) for name in ("routed_success", "routed_failed", "routed_client_errors"))
+        self.routed_duration = histogram("routed_duration")
+        self.share = gauge("share")  # the percentage of requests by name the split asks for (canary and primary)
         # a shadow version: copies sent, skipped (its queue full), compared with the served answer, agreed
         # (same class, or equal within tolerance), the sum of mean absolute differences, failed calls
-        self.shadow_sent, self.shadow_skipped, self.shadow_compared = Counter(), Counter(), Counter()
-        self.shadow_agreed, self.shadow_abs_diff, self.shadow_failed = Counter(), Counter(), Counter()
-        self.shadow_latency, self.shadow_primary_latency = Histogram(LATENCY_BUCKETS), Histogram(LATENCY_BUCKETS)
+        self.shadow_sent, self.shadow_skipped, self.shadow_compared = (
+            counter("counters", name) for name in ("shadow_sent", "shadow_skipped", "shadow_compared"))
+        self.shadow_agreed, self.shadow_abs_diff, self.shadow_failed = (
+            counter("counters", name) for name in ("shadow_agreed", "shadow_abs_diff", "shadow_failed"))
+        self.shadow_latency, self.shadow_primary_latency = (
+            histogram(name) for name in ("shadow_latency", "shadow_primary_latency"))
+
+    @property
+    def role(self) -> str:
+        return ROLES[int(self._role.value)]
+
+    @role.setter
+    def role(self, role: str) -> None:
+        self._role.set(ROLES.index(role))
+
+    @property
+    def last_inference_ms(self) -> int:
+        return int(self._last_inference_ms.value)
+
+    @last_inference_ms.setter
+    def last_inference_ms(self, value: int) -> None:
+        self._last_inference_ms.set(value)
 
     def hold(self, role: str) -> None:
         """A slot serves this version in ``role`` from now on (a version may be both a model's primary and
@@ -177,9 +267,7 @@ class ModelStats:
         for reason, value in snapshot.get("client_errors", {}).items():
             self.client_error(reason, value)
         for name, (counts, total) in snapshot["histograms"].items():
-            histogram = getattr(self, name)
-            histogram.counts = [a + b for a, b in zip(histogram.counts, counts)]
-            histogram.sum += total
+            getattr(self, name).add(counts, total)
         if gauges:
             for name, value in snapshot["gauges"].items():
                 gauge = getattr(self, name)
@@ -190,54 +278,62 @@ class ModelStats:
     def failure(self, reason: str, count: float = 1.0) -> None:
         counter = self.failures.get(reason)
         if counter is None:
-            counter = self.failures[reason] = Counter()
+            counter = self.failures[reason] = Counter(self._cells.block((*self.labels, "failures", reason), 1))
         counter.inc(count)
 
     def client_error(self, reason: str, count: float = 1.0) -> None:
         counter = self.client_errors.get(reason)
         if counter is None:
-            counter = self.client_errors[reason] = Counter()
+            block = self._cells.block((*self.labels, "client_errors", reason), 1)
+            counter = self.client_errors[reason] = Counter(block)
         counter.inc(count)
 
 
 class ServerMetrics:
     """One process's series. ``/metrics`` and the statistics calls read a ``MetricsView``: this
-    process's series, merged, in a server of several workers, with what every other worker published
-    (``peers``, see ``mlscale.serve.peers``)."""
+    process's series, merged, in a server of several workers, with every other worker's (``peers``, see
+    ``mlscale.serve.peers``): their counters as they are now, read from their cells."""
 
     def __init__(self, cache: ResponseCache | None = None, peers: Any = None) -> None:
-        """``peers``: the other workers of a server of several (``peers.Peers``), whose series a view
-        merges; None for a server of one process."""
+        """``peers``: the workers of a server of several (``peers.Peers``): this worker's cells are in
+        its file there, and a view merges every worker's; None for a server of one process."""
         self.models: dict[tuple[str, str], ModelStats] = {}
         self.cache = cache  # read at scrape time: the bytes it really holds, never a stale copy
-        # requests refused before any model was chosen: a body too slow to arrive, or past the body budget
-        self.refused = {"read_timeout": Counter(), "body_budget": Counter(), "connections": Counter()}
-        self.body_bytes: Any = None  # the server's BodyBudget: request-body bytes held now
         self.peers = peers
+        self.cells: Cells = peers.cells if peers is not None else Cells()
+        # requests refused before any model was chosen: a body too slow to arrive, or past the body budget
+        self.refused = {reason: Counter(self.cells.block(("refused", reason), 1))
+                        for reason in ("read_timeout", "body_budget", "connections")}
+        self.body_bytes: Any = None  # the server's BodyBudget: request-body bytes held now
 
     def stats_for(self, model: str, version: str) -> ModelStats:
         """The series of one version; a version loaded again later (an alias moved back) continues them."""
         stats = self.models.get((model, version))
         if stats is None:
-            stats = self.models[(model, version)] = ModelStats(model, version)
+            stats = self.models[(model, version)] = ModelStats(model, version, self.cells)
         return stats
 
     def snapshot(self) -> dict[str, Any]:
         """This process's series as plain JSON values."""
-        cache = self.cache
+        local = self.local()
         return {"models": [stats.snapshot() for stats in self.models.values()],
                 "refused": {reason: counter.value for reason, counter in self.refused.items()},
-                "body_bytes": self.body_bytes.held if self.body_bytes is not None else 0,
-                "cache": None if cache is None else [cache.bytes, cache.max_bytes, len(cache)]}
+                "body_bytes": local["body_bytes"], "cache": local["cache"]}
+
+    def local(self) -> dict[str, Any]:
+        """What is not in the cells, known to this process only: the request bodies' and the response
+        cache's bytes, each version's feature-skew report (what a worker publishes every ``PUBLISH_S``)."""
+        cache = self.cache
+        return {"body_bytes": self.body_bytes.held if self.body_bytes is not None else 0,
+                "cache": None if cache is None else [cache.bytes, cache.max_bytes, len(cache)],
+                "skew": [[*stats.labels, stats.feature_skew.report()] for stats in self.models.values()
+                         if stats.feature_skew is not None]}
 
     def view(self) -> MetricsView:
         """The whole server's series: this process's, with every other worker's when there are several."""
         if self.peers is None:
             return MetricsView.merge([(None, self.snapshot(), True)])
-        own = self.snapshot()
-        self.peers.publish(own)  # what a scrape shows is on disk first: a later scrape of another worker,
-        # or this worker's death, never shows less
-        return MetricsView.merge(self.peers.snapshots(own), self.peers.extra())
+        return MetricsView.merge(self.peers.snapshots(self.snapshot()), self.peers.extra())
 
     def render(self) -> bytes:
         registry = CollectorRegistry()

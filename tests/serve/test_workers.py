@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -99,10 +100,10 @@ def test_a_worker_killed_under_load_is_restarted_and_only_its_own_requests_fail(
         assert metric(base, "mlscale_worker_restarts_total") == 1
         new_workers = _workers_of(server.pid)
         assert len(new_workers) == 2 and workers[0] not in new_workers and workers[1] in new_workers
-        # the whole server's count: everything answered, less at most what the dead worker did in its
-        # last half second before it was killed (published every 0.5 s)
-        counted = _eventually(lambda: _counted_success(base) >= len(answered) - 500, 5) and _counted_success(base)
-        assert len(answered) - 500 <= counted <= len(answered) + 10  # + the two gauge probes' none
+        # the whole server's count, exact: everything answered, the dead worker's to its last request
+        # (its cells outlive it), plus at most the requests it counted but died before answering
+        counted = _counted_success(base)
+        assert len(answered) <= counted <= len(answered) + clients
 
         # a hot reload is followed by every worker
         Registry(serve_registry).set_alias("digits", 2, "production")
@@ -118,6 +119,25 @@ def test_a_worker_killed_under_load_is_restarted_and_only_its_own_requests_fail(
         server.send_signal(signal.SIGTERM)
         assert server.wait(timeout=30) == 0
         assert not any(Path(f"/proc/{pid}").exists() for pid in new_workers)
+
+
+@pytest.mark.timeout(120)
+def test_a_scrape_right_after_a_burst_counts_every_request_answered_before_it(serve_registry):
+    """--workers 2: a scrape reads every worker's counters as they are then, not as last published (every
+    0.5 s, once), so /metrics fetched right after the last answer counts every request sent."""
+    sent = 300
+    body = infer_body(np.random.default_rng(2).random((1, 64)).tolist())
+    with running_server(serve_registry, "models:/digits/1", "--workers", "2", "--no-grpc",
+                        "--cache-mb", "0") as (base, _):
+
+        def post(_: int) -> int:  # a new connection per request: the kernel hands them to either worker
+            return httpx.post(f"{base}/v2/models/digits/infer", json=body, timeout=10).status_code
+
+        with ThreadPoolExecutor(8) as pool:
+            codes = list(pool.map(post, range(sent)))
+        counted = _counted_success(base)
+    assert codes == [200] * sent
+    assert counted == sent
 
 
 def test_grpc_is_served_by_every_worker_on_one_port_and_a_route_key_sticks_across_them(serve_registry):
@@ -311,12 +331,14 @@ def test_a_second_signal_kills_the_workers_even_a_stuck_one(serve_registry, tmp_
         assert "a second signal: every worker killed" in server.log()
 
 
-def _snapshot(success: int, failures: int = 0) -> dict:
-    """A real worker's snapshot: ``success`` requests answered, ``failures`` failed."""
+def _snapshot(success: int, failures: int = 0, peers=None) -> dict:
+    """A real worker's snapshot: ``success`` requests answered, ``failures`` failed; counted in the cells
+    file of ``peers`` (a worker's) when given."""
     from mlscale.serve.metrics import ServerMetrics
 
-    metrics = ServerMetrics()
+    metrics = ServerMetrics(peers=peers)
     stats = metrics.stats_for("digits", "1")
+    stats.hold("primary")
     stats.success.inc(success)
     if failures:
         stats.failure("model", failures)
@@ -331,24 +353,66 @@ def _counted(peers, own: dict, series: str = "success") -> float:
     return stats.failures["model"].value if series == "failures" else stats.success.value
 
 
+def test_a_workers_counters_are_read_as_they_are_now_with_its_role_and_gauges(tmp_path):
+    """What another worker's scrape reads of a worker: every series as its cells hold it this moment
+    (nothing published), equal to the worker's own snapshot; what only the worker knows (the cache's
+    bytes) from what it published."""
+    from mlscale.serve.metrics import MetricsView, ServerMetrics
+    from mlscale.serve.peers import Peers
+
+    worker, reader = Peers(tmp_path, 2, index=0), Peers(tmp_path, 2, index=1)
+    metrics = ServerMetrics(peers=worker)
+    stats = metrics.stats_for("digits", "2")
+    stats.hold("canary")
+    stats.success.inc(3)
+    stats.duration.observe(0.004)
+    stats.queue_depth.set(7)
+    stats.client_error("bad_request")
+    stats.last_inference_ms = 1_765_000_000_123
+    metrics.refused["connections"].inc()
+    found = dict(((worker_, live), snapshot) for worker_, snapshot, live in reader.snapshots(_snapshot(0)))
+    seen = found[("0", True)]
+    own = metrics.snapshot()
+    assert seen["models"] == own["models"] and seen["refused"] == own["refused"]
+    assert seen["cache"] is None  # nothing published yet
+    worker.publish({**metrics.local(), "cache": [10, 100, 1]})
+    view = MetricsView.merge(reader.snapshots(_snapshot(0)))
+    assert view.cache == [10, 100, 1] and view.refused["connections"] == 1
+    merged = view.models[("digits", "2")]
+    assert (merged.role, merged.success.value, merged.duration.count, merged.last_inference_ms) == (
+        "canary", 3, 1, 1_765_000_000_123)
+    stats.success.inc()  # no publish: the next read has it
+    assert _counted_of(reader, ("digits", "2")) == 4
+    worker.close()
+    reader.close()
+
+
+def _counted_of(peers, labels: tuple[str, str]) -> float:
+    from mlscale.serve.metrics import MetricsView
+
+    return MetricsView.merge(peers.snapshots(_snapshot(0))).models[labels].success.value
+
+
 def test_dead_workers_counters_are_kept_in_one_file_per_worker_however_often_it_restarts(tmp_path):
     from mlscale.serve.peers import Peers
 
     supervisor, reader = Peers(tmp_path, 2), Peers(tmp_path, 2, index=1)
     for generation in range(5):  # worker 0 answers 10 requests, dies, is restarted: five times
         worker = Peers(tmp_path, 2, index=0, generation=generation)
-        worker.publish(_snapshot(10, failures=1))
+        _snapshot(10, failures=1, peers=worker)
         worker.close()
         assert _counted(reader, _snapshot(1)) == 10 * generation + 10 + 1
         supervisor.retire(0)
         assert _counted(reader, _snapshot(1)) == 10 * generation + 10 + 1  # never less, never twice
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["flags.bin", "retired-0.json"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["cells-1.bin", "flags.bin", "retired-0.json"]
     assert _counted(reader, _snapshot(0), "failures") == 5  # every counter, failures too
 
-    # a reader that finds the live file still there after its counts went into the retired file (the
-    # retirement writes the retired file first, then removes the live one) counts them once
-    Peers(tmp_path, 2, index=0, generation=5).publish(_snapshot(10))
-    live = (tmp_path / "metrics-0.json").read_bytes()
+    # a reader that finds the cells file still there after its counts went into the retired file (the
+    # retirement writes the retired file first, then removes the cells) counts them once
+    worker = Peers(tmp_path, 2, index=0, generation=5)
+    _snapshot(10, peers=worker)
+    worker.close()
+    live = (tmp_path / "cells-0.bin").read_bytes()
     supervisor.retire(0)
-    (tmp_path / "metrics-0.json").write_bytes(live)
+    (tmp_path / "cells-0.bin").write_bytes(live)
     assert _counted(reader, _snapshot(0)) == 60
