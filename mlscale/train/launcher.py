@@ -175,9 +175,9 @@ def check_job(config: TrainConfig, plan: JobPlan, data: TensorData | ParquetData
         raise UsageError("bad value log-sample-ids=True: Parquet data is read by row group, not by data set "
                          "index, and its ids are not logged yet; use in-memory data")
     if isinstance(data, ParquetData):
-        check_shardable(data, workers, config.step_batch, config.seed)
+        check_shardable(data, workers, plan.step_batch, config.seed)
     else:
-        check_a_batch_fits(len(data), workers, config.step_batch, source=f"task {config.task!r}")
+        check_a_batch_fits(len(data), workers, plan.step_batch, source=f"task {config.task!r}")
     for fault in config.recovery.faults:
         if fault.aims_at_rank and fault.rank >= world * groups:
             raise UsageError(f"bad value fault={fault.spec!r}: rank {fault.rank} does not exist with {world * groups} "

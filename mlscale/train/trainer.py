@@ -142,7 +142,7 @@ class Trainer:
         model = build_on_meta(self._build_plain) if on_meta else self._build_plain().to(env.device)
         weight_init = self._weight_init(model) if on_meta else "full"
         self._seed_rank_rngs()
-        sample_inputs = to_device(self.task.example_inputs(config.step_batch, self.dtype), env.device)
+        sample_inputs = to_device(self.task.example_inputs(self.plan.step_batch, self.dtype), env.device)
         self.strategy.setup(Setup(model=model, build_model=self._build_plain,
                                   make_learner=self._make_learner, loss_fn=self.task.loss_fn,
                                   total_steps=self.total_steps, start_step=self.step, global_batch=self.global_batch,
@@ -196,7 +196,7 @@ class Trainer:
         ``ParquetLoader``); for in-memory data the same batches and positions either way."""
         config, shard = self.config, self.shard
         assert shard is not None
-        plain = dict(rank=shard, world=self.shards, batch_size=config.step_batch, seed=config.seed)
+        plain = dict(rank=shard, world=self.shards, batch_size=self.plan.step_batch, seed=config.seed)
         streamed = isinstance(self.train_data, ParquetData)
         if config.data.data_threads and isinstance(self.train_data, MapData):
             self.data_workers = 0
@@ -311,7 +311,7 @@ class Trainer:
         if self.env.is_main and old_batch != self.global_batch:
             print(f"mlscale: resuming step {self.step} of a {saved['workers']}-worker run on "
                   f"{self.shards}: global batch {old_batch} -> {self.global_batch}"
-                  f" (--batch-size {old_batch // (self.shards * self.config.grad_accum)} keeps it)", file=sys.stderr)
+                  f" (--batch-size {old_batch // (self.shards * self.plan.grad_accum)} keeps it)", file=sys.stderr)
 
     def _checkpoint(self, final: bool = False) -> None:
         """Save a checkpoint; the time the training thread was held goes into the stall statistics

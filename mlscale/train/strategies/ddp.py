@@ -107,7 +107,7 @@ class DDPStrategy(ReplicaStrategy):
                                   "allreduce_buckets_per_step": self.comm.calls / steps if steps else 0.0,
                                   "bytes_sent": sent_bytes, "bytes_sent_per_step": sent_bytes / steps if steps else 0.0,
                                   "compress": self.config.ddp.compress, "bucket_mb": self.config.ddp.bucket_mb,
-                                  "grad_accum": self.config.grad_accum},
+                                  "grad_accum": self.plan.grad_accum},
                 "compile": {"enabled": self.config.ddp.compile, "first_step_ms": self.first_step_ms}}
 
     def synchronising(self, sync: bool) -> contextlib.AbstractContextManager[object]:

@@ -429,7 +429,7 @@ class PerStep:
                 times, step_ms=times.step_ms + self.quorum_ms[-1], comm_ms=times.comm_ms + self.allreduce_ms,
                 comm_exposed_ms=times.comm_exposed_ms + self.quorum_ms[-1] + self.allreduce_ms,
                 compute_ms=times.compute_ms - self.allreduce_ms)
-        result.samples = len(members) * self.shards_per_group * self.config.step_batch
+        result.samples = len(members) * self.shards_per_group * self.plan.step_batch
         if result.done:  # before the end's gathers and releases (fsdp) change what this rank holds
             self._write({"event": "final", "step": self.steps_done, "sha256": self._own_state_digest()})
             if self.writes_records:
@@ -465,10 +465,10 @@ class PerStep:
 
     def report(self) -> dict[str, Any]:
         not_trained = sum((last - first + 1) * (self.replicas_total - len(members)) * self.shards_per_group
-                          * self.config.step_batch for first, last, members in self.history)
+                          * self.plan.step_batch for first, last, members in self.history)
         report = super().report()  # type: ignore[misc]
         report["communication"] = {"cross_group_allreduces": self.allreduces, "bytes_sent": self.bytes_sent,
-                                   "grad_accum": self.config.grad_accum}  # no DDP buckets here
+                                   "grad_accum": self.plan.grad_accum}  # no DDP buckets here
         report["fault_tolerance"] = {
             "mode": "per-step", "engine": "torchft", "replicas": self.replicas_total,
             "group_size": self.env.world_size,

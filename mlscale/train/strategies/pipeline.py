@@ -128,10 +128,10 @@ class PipelineStrategy(OneModuleState, Strategy):
         self.dp_group = mesh["dp"].get_group()
         self.control = dist.new_group(backend="gloo", timeout=timedelta(seconds=config.recovery.collective_timeout_s))
         assert setup.sample_inputs is not None, "the trainer gives example inputs to trace the model on"
-        self.plan: StagePlan = plan_stages(setup.model, self.stages, config.pipeline.split_points)
-        sample = take(setup.sample_inputs, slice(0, config.step_batch // self.microbatches))
+        self.stage_plan: StagePlan = plan_stages(setup.model, self.stages, config.pipeline.split_points)
+        sample = take(setup.sample_inputs, slice(0, self.plan.step_batch // self.microbatches))
         self.traced = {key: tensor.shape[1:] for key, tensor in _named_leaves(sample)}
-        self.split: SplitModel = split_model(setup.model, self.plan, sample)
+        self.split: SplitModel = split_model(setup.model, self.stage_plan, sample)
         if env.is_main:
             print(f"mlscale: pipeline of {self.stages} stages x {self.shards} replica(s), {self.microbatches} "
                   f"microbatches, {config.pipeline.schedule}: {self.split.describe()}", file=sys.stderr, flush=True)
@@ -268,7 +268,7 @@ class PipelineStrategy(OneModuleState, Strategy):
     def report(self) -> dict[str, Any]:
         return {"pipeline": {"stages": self.stages, "microbatches": self.microbatches,
                              "schedule": self.config.pipeline.schedule, "replicas": self.shards,
-                             "split": self.split.describe(), "split_points": list(self.plan.starts),
+                             "split": self.split.describe(), "split_points": list(self.stage_plan.starts),
                              "stage_params": self.split.stage_params,
                              "tied": [list(tie.names) for tie in self.split.ties],
                              "ideal_bubble": (self.stages - 1) / (self.microbatches + self.stages - 1)}}

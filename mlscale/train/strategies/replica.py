@@ -59,7 +59,7 @@ class ReplicaStrategy(OneModuleState, Strategy):
 
     def step(self, batch: Batch | None) -> StepResult:
         assert batch is not None, f"every {self.name} rank reads data"
-        micro = self.config.grad_accum  # --grad-accum K: K micro-steps of --batch-size, synchronised once
+        micro = self.plan.grad_accum  # --grad-accum K: K micro-steps of --batch-size, synchronised once
         inputs, targets = chunk(batch.inputs, micro), chunk(batch.targets, micro)  # already on the device
         losses = []
         for i in range(micro):
