@@ -50,7 +50,7 @@ proto: $(BIN)/.installed
 
 # mlscale train's flags, generated from the options models in mlscale/config.py (committed; a test checks them)
 flags: $(BIN)/.installed
-	$(BIN)/python -m mlscale.cli_train
+	$(BIN)/python -m mlscale.cli.train
 
 # mlscale ui's charting asset (mlscale/ui/static/echarts.min.js, committed): Apache ECharts from the npm
 # registry at the versions web/package-lock.json pins, only the charts the pages use, minified by esbuild.

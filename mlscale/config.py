@@ -2,7 +2,7 @@
 
 A configuration is built from (in increasing priority) the defaults below, a TOML/JSON file and CLI
 overrides. ``mlscale train``'s flags, their help and defaults are generated from these models
-(``mlscale.cli_train``): one name from the file to the flag (``stages`` is ``--stages`` and
+(``mlscale.cli.train``): one name from the file to the flag (``stages`` is ``--stages`` and
 ``[pipeline] stages``). A file may use the nested form (``[pipeline] stages = 4``) or the flat one
 (``stages = 4``, what earlier versions wrote to ``config.json``). An option that belongs to another
 strategy or fault-tolerance mode than the job's is refused, from its declaration (``only``), with one

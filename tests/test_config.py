@@ -8,7 +8,7 @@ import json
 import pytest
 
 from mlscale.cli import main
-from mlscale.cli_train import FLAGS_PATH, flag_table
+from mlscale.cli.train import FLAGS_PATH, flag_table
 from mlscale.config import GROUP_OF, GROUPS, TrainConfig, build_config
 from mlscale.errors import UsageError
 
@@ -83,5 +83,5 @@ def test_mlscale_train_help_is_built_without_the_models():
               "    build_parser().parse_args(['train', '--help'])\nprint(json.dumps(sorted(sys.modules)))")
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=60)
     loaded = set(json.loads(result.stdout.splitlines()[-1]))
-    assert "mlscale.cli_train" in loaded
+    assert "mlscale.cli.train" in loaded
     assert not {m for m in loaded if m.startswith(("pydantic", "torch", "mlscale.config", "numpy"))}

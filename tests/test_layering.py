@@ -69,7 +69,7 @@ PARTS = _parts()
 BOTTOM = {"errors", "io", "rundir", "dtypes", "redact", "safe_path", "lazy", "declarations", "display",
           "plotting", "faultspec", "weights", "connections", "log_limits"}
 # the top: the command line, the demo and the benchmarks may use any part, and no part uses them
-TOP = {"bench", "demo"} | {p for p in PARTS if p == "cli" or p.startswith("cli_")}
+TOP = {"bench", "demo", "cli"}
 
 
 def _all_but(*allowed: str) -> tuple[str, ...]:

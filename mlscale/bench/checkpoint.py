@@ -20,7 +20,7 @@ from typing import Any
 
 from mlscale.bench.machine import machine_info
 from mlscale.bench.report import median_bars, pyplot, save_figure, write_results
-from mlscale.cli_parsers import add_out_option, int_at_least
+from mlscale.cli.parsers import add_out_option, int_at_least
 
 MODES = ("blocking", "async")
 

@@ -44,7 +44,7 @@ LOADER_BATCH = 64
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from mlscale.cli_parsers import add_out_option, float_above, int_at_least
+    from mlscale.cli.parsers import add_out_option, float_above, int_at_least
 
     add_out_option(p, "data")
     p.add_argument("--suite", choices=("all", *SUITES), default="all",

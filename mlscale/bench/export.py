@@ -18,7 +18,7 @@ from typing import Any
 
 from mlscale.bench.machine import machine_info
 from mlscale.bench.report import pyplot, save_figure, write_results
-from mlscale.cli_parsers import add_out_option, int_at_least, int_list
+from mlscale.cli.parsers import add_out_option, int_at_least, int_list
 
 MODELS = {"digits-mlp": "digits", "digits-cnn": "digits-cnn"}
 

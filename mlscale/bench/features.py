@@ -34,7 +34,7 @@ VIEWS = (("activity", timedelta(days=7)), ("profile", None), ("risk", None))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from mlscale.cli_parsers import add_out_option, int_at_least
+    from mlscale.cli.parsers import add_out_option, int_at_least
 
     add_out_option(p, "features")
     p.add_argument("--entity-rows", type=int_at_least(1000), default=10_000_000, help="default 10,000,000")

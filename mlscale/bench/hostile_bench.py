@@ -92,7 +92,7 @@ def _store_model(scratch: Scratch) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from mlscale.cli_parsers import add_out_option
+    from mlscale.cli.parsers import add_out_option
 
     add_out_option(p, "hostile")
     p.add_argument("--seconds", type=float, default=12.0, help="how long each attack runs (default 12: past the "

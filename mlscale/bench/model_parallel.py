@@ -53,8 +53,8 @@ MEMORY_KEYS = ("params_mb", "grads_mb", "optimizer_mb", "activations_mb")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from mlscale.cli_parsers import add_out_option, float_above, int_at_least, name_list
-    from mlscale.cli_train import key_value
+    from mlscale.cli.parsers import add_out_option, float_above, int_at_least, name_list
+    from mlscale.cli.train import key_value
 
     add_out_option(p, "model-parallel")
     p.add_argument("--repeats", type=int_at_least(1), default=3, help="repeats of every configuration (default 3)")

@@ -35,7 +35,7 @@ import numpy as np
 from mlscale.bench.anchors import LITSERVE_SYSTEMS, litserve_config
 from mlscale.bench.machine import machine_info
 from mlscale.bench.report import pyplot, save_figure, write_results
-from mlscale.cli_parsers import add_out_option, float_above, int_at_least, name_list
+from mlscale.cli.parsers import add_out_option, float_above, int_at_least, name_list
 from mlscale.errors import UsageError
 
 SERVER_CPU, LOADGEN_CPU = 0, 1

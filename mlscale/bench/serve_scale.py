@@ -33,7 +33,7 @@ from typing import Any
 from mlscale.bench import serve as base
 from mlscale.bench.machine import machine_info
 from mlscale.bench.report import pyplot, save_figure, write_results
-from mlscale.cli_parsers import add_out_option, float_above, int_at_least, name_list
+from mlscale.cli.parsers import add_out_option, float_above, int_at_least, name_list
 
 SYSTEMS = ("mlscale", "litserve", "mlserver")
 # MLServer's custom runtime: the ONNX file on onnxruntime, one thread, as every system here runs it

@@ -39,7 +39,7 @@ SCENARIOS = ("none", "persistent", "transient")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from mlscale.cli_parsers import float_above, int_at_least, name_list
+    from mlscale.cli.parsers import float_above, int_at_least, name_list
 
     group = p.add_argument_group("straggler scenario (--scenario straggler)")
     group.add_argument("--tasks", type=name_list(TASKS), default=list(TASKS),

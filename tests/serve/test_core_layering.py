@@ -97,7 +97,7 @@ def test_auto_picks_onnx_when_exported_else_torch_and_reduced_precision_only_run
 
 
 def test_every_serve_option_is_a_flag_typed_from_its_annotation():
-    from mlscale.cli_serve import _NOT_FLAGS
+    from mlscale.cli.serve import _NOT_FLAGS
     from mlscale.serve.options import ServeOptions
 
     actions = _serve_parser()

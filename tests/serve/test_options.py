@@ -41,7 +41,7 @@ def test_max_inflight_below_one_largest_body_is_refused():
 
 def test_the_online_store_comes_from_the_environment_when_no_flag_gives_it(monkeypatch):
     from mlscale.cli import build_parser
-    from mlscale.cli_serve import options_from_args
+    from mlscale.cli.serve import options_from_args
 
     monkeypatch.setenv("MLSCALE_ONLINE_STORE", "redis://:hunter2@store.example:6379/0")
     args = build_parser().parse_args(["serve", "models:/m/1"])
@@ -53,7 +53,7 @@ def test_the_online_store_comes_from_the_environment_when_no_flag_gives_it(monke
 def test_the_route_secret_is_random_per_server_unless_the_environment_gives_it(monkeypatch):
     """Never a flag (a secret on a command line is in every process listing): the environment, else drawn."""
     from mlscale.cli import build_parser
-    from mlscale.cli_serve import options_from_args
+    from mlscale.cli.serve import options_from_args
     from mlscale.errors import UsageError
 
     monkeypatch.delenv("MLSCALE_ROUTE_SECRET", raising=False)

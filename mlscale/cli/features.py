@@ -9,7 +9,7 @@ import re
 import sys
 import time
 
-from mlscale.cli_models import add_registry_option
+from mlscale.cli.models import add_registry_option
 from mlscale.errors import UsageError
 
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)([smhd]?)$")

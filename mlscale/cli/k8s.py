@@ -10,7 +10,7 @@ import argparse
 import sys
 import textwrap
 
-from mlscale.cli_models import add_registry_option
+from mlscale.cli.models import add_registry_option
 from mlscale.errors import UsageError
 
 TRAIN_DESCRIPTION = textwrap.fill(
@@ -53,11 +53,11 @@ def add_k8s(sub: argparse._SubParsersAction) -> None:
                        "Needs Kubernetes 1.33+.")
     k8s = p.add_subparsers(dest="action", required=True, parser_class=type(p))
     train = k8s.add_parser("train", help="an Indexed Job running torchrun, one pod per node",
-                           description=TRAIN_DESCRIPTION, arguments="mlscale.cli_k8s:add_train_arguments",
+                           description=TRAIN_DESCRIPTION, arguments="mlscale.cli.k8s:add_train_arguments",
                            epilog=TRAIN_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     train.set_defaults(handler=_train)
     serve = k8s.add_parser("serve", help="a Deployment, Service, PodDisruptionBudget and autoscaler",
-                           description=SERVE_DESCRIPTION, arguments="mlscale.cli_k8s:add_serve_arguments",
+                           description=SERVE_DESCRIPTION, arguments="mlscale.cli.k8s:add_serve_arguments",
                            epilog=SERVE_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     # after --: more `mlscale serve` flags for the pods (--max-batch-size 64 --slo-ms 50 --online-store ...)
     serve.set_defaults(handler=_serve, passed_on=[])
@@ -139,8 +139,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 def _checked_serve_args(uri: str, serve_args: list[str]) -> list[str]:
     """The flags after --, checked as `mlscale serve` checks them (its parser, then its options model),
     so a bad one exits 2 here and not in the pods."""
-    from mlscale.cli_parsers import Parser
-    from mlscale.cli_serve import add_serve_arguments, options_from_args
+    from mlscale.cli.parsers import Parser
+    from mlscale.cli.serve import add_serve_arguments, options_from_args
     from mlscale.deploy.serving import refuse_credentials
 
     refuse_credentials(tuple(serve_args))  # first: nothing below may echo a password

@@ -53,12 +53,12 @@ HELP = {
 def add_plan(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="per-rank memory of every strategy and degree, before running (no weights "
                        "allocated)", epilog=PLAN_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
-                       arguments="mlscale.cli_plan:add_plan_arguments")
+                       arguments="mlscale.cli.plan:add_plan_arguments")
     p.set_defaults(handler=run_plan)
 
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
-    from mlscale.cli_train import FLAGS_PATH, _add_flag
+    from mlscale.cli.train import FLAGS_PATH, _add_flag
 
     p.add_argument("--config", metavar="FILE", help="a TOML or JSON file of mlscale train's options (a run's "
                    "configuration); the flags given here override it")

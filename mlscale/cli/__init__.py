@@ -9,13 +9,13 @@ import argparse
 import sys
 import traceback
 
-from mlscale.cli_features import add_features
-from mlscale.cli_k8s import add_k8s
-from mlscale.cli_models import add_export, add_models
-from mlscale.cli_parsers import LazyParser
-from mlscale.cli_plan import add_plan
-from mlscale.cli_serve import add_serve
-from mlscale.cli_ui import add_ui
+from mlscale.cli.features import add_features
+from mlscale.cli.k8s import add_k8s
+from mlscale.cli.models import add_export, add_models
+from mlscale.cli.parsers import LazyParser
+from mlscale.cli.plan import add_plan
+from mlscale.cli.serve import add_serve
+from mlscale.cli.ui import add_ui
 from mlscale.errors import MlscaleError, report_error
 
 TRAIN_EXAMPLES = """examples:
@@ -32,13 +32,13 @@ TRAIN_EXAMPLES = """examples:
 def _add_train(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train a model on one or more workers",
                        epilog=TRAIN_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
-                       # the flags are built from a table only when `train` runs (mlscale.cli_train)
-                       arguments="mlscale.cli_train:add_train_arguments")
+                       # the flags are built from a table only when `train` runs (mlscale.cli.train)
+                       arguments="mlscale.cli.train:add_train_arguments")
     p.set_defaults(handler=_train)
 
 
 def _train(args: argparse.Namespace) -> int:
-    from mlscale.cli_train import run_train
+    from mlscale.cli.train import run_train
 
     return run_train(args)
 
@@ -154,6 +154,3 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.close()
         return 0
 
-
-if __name__ == "__main__":
-    run()

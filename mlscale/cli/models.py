@@ -6,8 +6,8 @@ import argparse
 import json
 from typing import Any
 
-from mlscale.cli_parsers import int_at_least
-from mlscale.cli_rollout import add_rollout_commands
+from mlscale.cli.parsers import int_at_least
+from mlscale.cli.rollout import add_rollout_commands
 from mlscale.display import as_json, pairs, table
 
 

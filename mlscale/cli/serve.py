@@ -8,7 +8,7 @@ import types
 import typing
 from typing import TYPE_CHECKING, Any
 
-from mlscale.cli_models import add_registry_option
+from mlscale.cli.models import add_registry_option
 
 if TYPE_CHECKING:
     from mlscale.serve.options import ServeOptions
@@ -75,7 +75,7 @@ def add_serve(sub: argparse._SubParsersAction) -> None:
         epilog="example: mlscale serve models:/digits@production --max-batch-size 64 --slo-ms 50; behind a "
         "Kubernetes Service add --host 0.0.0.0 --drain-delay-s 10 --exec-timeout-s 30",
         # built only when `serve` runs: the options model (pydantic) stays out of every other command
-        arguments="mlscale.cli_serve:add_serve_arguments")
+        arguments="mlscale.cli.serve:add_serve_arguments")
     p.set_defaults(handler=_serve)
 
 

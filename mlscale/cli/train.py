@@ -5,7 +5,7 @@ or nested tables such as "[pipeline] stages = 4") are overridden by the flags gi
 has a flag of its name (--task-opt, --fault, --collective-timeout, --no-async-checkpoint and --no-progress
 are spelled so). An option of another strategy or fault-tolerance mode than the job's is refused.
 
-The flags are generated from the models into ``train_flags.json`` beside this file (``make flags``, and
+The flags are generated from the models into ``mlscale/train_flags.json`` (``make flags``, and
 a test checks that it matches the models): building the parser from the table keeps ``mlscale train
 --help`` as fast as a hand-written parser (the models need pydantic, which costs more to import than the
 whole command otherwise does).
@@ -20,7 +20,8 @@ from typing import Any
 
 from mlscale.display import as_json
 
-FLAGS_PATH = Path(__file__).with_name("train_flags.json")
+# at the package's root, not beside this module: the Makefile, the docs and the flag test name it there
+FLAGS_PATH = Path(__file__).parents[1] / "train_flags.json"
 
 SHORTCUTS = {"precision": {"--bf16": "bf16", "--fp16": "fp16"}}  # the Hugging Face Trainer's flags
 
@@ -166,7 +167,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    "exit 0, or 2 naming what is wrong (what a Kubernetes Job's check container runs)")
     p.add_argument("--no-plot", action="store_false", dest="plot",
                    help="do not draw RUN_DIR/plots/training.png at the end (drawn when matplotlib is installed)")
-    from mlscale.cli_models import add_registry_option
+    from mlscale.cli.models import add_registry_option
 
     add_registry_option(p)
 

@@ -25,12 +25,12 @@ def add_ui(sub: argparse._SubParsersAction) -> None:
         "lineage; each server's goodput, latency, batches, queue, cache and skew from its own /metrics. "
         "Listens on loopback unless --host says otherwise, which needs a token.",
         epilog=UI_EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter,
-        arguments="mlscale.cli_ui:add_ui_arguments")
+        arguments="mlscale.cli.ui:add_ui_arguments")
     p.set_defaults(handler=_ui)
 
 
 def add_ui_arguments(p: argparse.ArgumentParser) -> None:
-    from mlscale.cli_models import add_registry_option
+    from mlscale.cli.models import add_registry_option
     from mlscale.ui.app import TOKEN_ENV
 
     p.add_argument("--runs", metavar="DIR", default=None,
