@@ -1,16 +1,18 @@
 """``mlscale models canary`` (move a canary's share) and ``mlscale models compare`` (judge a challenger
-from a running server's figures; exit 1 past a threshold, so a CI step can gate a promotion)."""
+from a running server's figures; exit 1 past a threshold, so a CI step can gate a promotion).
+
+The gate itself (the server's report, the checks) is ``mlscale.serve.promotion``, imported when the
+command runs so that ``mlscale --help`` loads nothing of the server; this module parses and prints."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
-import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlscale.display import as_json, table
-from mlscale.errors import MlscaleError, UsageError
+
+if TYPE_CHECKING:
+    from mlscale.serve.promotion import Thresholds
 
 COMPARE_DESCRIPTION = """Compares a challenger version with the version a running `mlscale serve` serves
 (the champion), from the server's own figures for the whole server (GET /v2/models/NAME/compare): a
@@ -84,137 +86,50 @@ def _canary(args: argparse.Namespace) -> int:
     return 0
 
 
-def fetch_comparison(server: str, name: str) -> dict[str, Any]:
-    """The server's comparison report; one line (never a traceback) when the server cannot be reached or
-    fails (exit 1), refuses (4xx, its error: exit 2) or answers something that is not a report (exit 2:
-    --server names something other than an `mlscale serve`)."""
-    import urllib.error
-    import urllib.request
+def _thresholds(args: argparse.Namespace) -> Thresholds:
+    """Each flag is the threshold of its name (--min-requests is ``min_requests``)."""
+    import dataclasses
 
-    url = f"{server.rstrip('/')}/v2/models/{name}/compare"
-    try:
-        with urllib.request.urlopen(url, timeout=10) as response:
-            body = response.read()
-    except urllib.error.HTTPError as exc:  # 4xx: the name or the URL is wrong (2); 5xx: the server's (1)
-        error = UsageError if exc.code < 500 else MlscaleError
-        raise error(f"{url}: {exc.code} {_error_of(exc.read())}") from None
-    except (urllib.error.URLError, OSError) as exc:
-        raise MlscaleError(f"cannot reach the server at {server}: {getattr(exc, 'reason', exc)}") from None
-    try:
-        report = json.loads(body)
-    except ValueError:
-        report = None
-    if not _is_report(report):
-        raise UsageError(f"{url} did not answer a comparison report (it began {_error_of(body)!r}): is {server} an "
-                         "`mlscale serve`?")
-    return report
+    from mlscale.serve.promotion import Thresholds
 
-
-def _error_of(body: bytes) -> str:
-    """An error answer's message, in one line of at most 200 characters: its JSON ``error``, or the text."""
-    text = body.decode(errors="replace")
-    with contextlib.suppress(ValueError, AttributeError):  # not JSON, or JSON but not an object
-        text = str(json.loads(text).get("error", text))
-    line = " ".join(text.split())
-    return line if len(line) <= 200 else line[:197] + "..."
-
-
-def _is_report(report: Any) -> bool:
-    """A comparison report: the fields ``checks`` and the side-by-side read, of the types they read."""
-    if not isinstance(report, dict) or not isinstance(report.get("versions"), list):
-        return False
-    fields = ("version", "uri", "role", "aliases", "success", "failed")
-    return all(isinstance(row, dict) and all(field in row for field in fields) for row in report["versions"])
-
-
-def _is(row: dict[str, Any], wanted: str) -> bool:
-    return wanted == row["version"] or wanted in row["aliases"] or row["uri"].endswith(f"@{wanted}")
-
-
-def checks(champion: dict[str, Any], challenger: dict[str, Any], args: argparse.Namespace) -> list[tuple[bool, str]]:
-    """(passed, what) of every check that applies to the challenger's role."""
-    found: list[tuple[bool, str]] = []
-    shadow = challenger.get("shadow")
-    answered = shadow["compared"] if shadow else challenger["success"] + challenger["failed"]
-    found.append((answered >= args.min_requests, f"{answered} answers to judge (at least {args.min_requests}: "
-                  "--min-requests)"))
-    ours, theirs = (shadow["p99_ms"], shadow["served_p99_ms"]) if shadow else (challenger["p99_ms"], champion["p99_ms"])
-    fewest = answered if shadow else min(answered, champion["success"] + champion["failed"])
-    if ours is not None and theirs and fewest < args.min_latency_answers:
-        found.append((True, f"p99 {_ms(ours)} vs {_ms(theirs)}: not judged, {fewest} answers (at least "
-                      f"{args.min_latency_answers}: --min-latency-answers)"))
-    elif ours is not None and theirs:
-        ratio = ours / theirs
-        passed = ratio <= args.max_p99_ratio or ours <= theirs + args.p99_slack_ms
-        found.append((passed, f"p99 {_ms(ours)} vs {_ms(theirs)}: x{ratio:.2f} (at most x{args.max_p99_ratio:g}, "
-                      f"or {args.p99_slack_ms:g} ms more: --max-p99-ratio, --p99-slack-ms)"))
-    if shadow:
-        agreement = shadow["agreement"]
-        found.append((agreement is not None and agreement >= args.min_agreement,
-                      f"agreement {_share(agreement)} (at least {args.min_agreement:.2%}: --min-agreement)"))
-        if args.max_mean_abs_diff is not None:
-            difference = shadow["mean_abs_diff"]
-            found.append((difference is not None and difference <= args.max_mean_abs_diff,
-                          f"mean absolute difference {_number(difference)} (at most {args.max_mean_abs_diff:g})"))
-    else:
-        ours_rate, theirs_rate = challenger["error_rate"] or 0.0, champion["error_rate"] or 0.0
-        increase = (ours_rate - theirs_rate) * 100
-        found.append((increase <= args.max_error_increase, f"error rate {_share(ours_rate)} vs {_share(theirs_rate)}: "
-                      f"{increase:+.2f} points (at most +{args.max_error_increase:g}: --max-error-increase)"))
-    return found
-
-
-def _ms(value: float | None) -> str:
-    if value is None:
-        return "-"
-    return "> last bucket" if math.isinf(value) else f"<= {value:g} ms"
-
-
-def _number(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3g}"
-
-
-def _share(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2%}"
+    return Thresholds(**{field.name: getattr(args, field.name) for field in dataclasses.fields(Thresholds)})
 
 
 def _compare(args: argparse.Namespace) -> int:
+    from mlscale.serve.promotion import fetch_comparison, judge
+
     report = fetch_comparison(args.server, args.name)
-    rows = report["versions"]
-    champion = next((row for row in rows if row["role"] == "primary"), None)
-    challenger = next((row for row in rows if row["role"] != "primary" and _is(row, args.challenger)), None)
-    if champion is None or challenger is None:
-        held = ", ".join(f"v{row['version']} ({row['role']}, {row['uri']})" for row in rows)
-        raise UsageError(f"the server at {args.server} holds no canary or shadow {args.challenger!r} of {args.name} "
-                         f"(it holds {held}); start it with --canary or --shadow")
-    results = checks(champion, challenger, args)
+    verdict = judge(report, args.name, args.challenger, _thresholds(args), args.server)
+    champion, challenger = verdict.champion, verdict.challenger
     if args.json:
         print(as_json({"champion": champion, "challenger": challenger,
-                       "checks": [{"passed": ok, "check": what} for ok, what in results]}))
+                       "checks": [{"passed": ok, "check": what} for ok, what in verdict.checks]}))
     else:
         _print_side_by_side(champion, challenger)
-        for ok, what in results:
+        for ok, what in verdict.checks:
             print(f"  {'ok  ' if ok else 'FAIL'}  {what}")
-        print(f"{args.name} v{challenger['version']}: " + ("every check passed" if all(ok for ok, _ in results)
+        print(f"{args.name} v{challenger['version']}: " + ("every check passed" if verdict.passed
                                                          else "NOT ready to promote"))
-    return 0 if all(ok for ok, _ in results) else 1
+    return 0 if verdict.passed else 1
 
 
 def _print_side_by_side(champion: dict[str, Any], challenger: dict[str, Any]) -> None:
+    from mlscale.serve.promotion import format_ms, format_number, format_share
+
     heads = ["", f"v{champion['version']} (served)", f"v{challenger['version']} ({challenger['role']})"]
     lines = [("uri", champion["uri"], challenger["uri"]),
              ("share asked", f"{champion['share_percent']:g}%", f"{challenger['share_percent']:g}%"),
              ("routed by name", champion["routed"], challenger["routed"]),
              ("answered", champion["success"], challenger["success"]),
-             ("error rate", _share(champion["error_rate"]), _share(challenger["error_rate"])),
+             ("error rate", format_share(champion["error_rate"]), format_share(challenger["error_rate"])),
              ("client errors (not judged)", champion.get("client_errors", 0), challenger.get("client_errors", 0)),
-             ("p50", _ms(champion["p50_ms"]), _ms(challenger["p50_ms"])),
-             ("p99", _ms(champion["p99_ms"]), _ms(challenger["p99_ms"]))]
+             ("p50", format_ms(champion["p50_ms"]), format_ms(challenger["p50_ms"])),
+             ("p99", format_ms(champion["p99_ms"]), format_ms(challenger["p99_ms"]))]
     shadow = challenger.get("shadow")
     if shadow:
         lines = [line for line in lines if line[0] not in ("share asked", "routed by name")]
         lines += [("copies sent / skipped", "", f"{shadow['sent']} / {shadow['skipped']}"),
-                  ("compared", "", shadow["compared"]), ("agreement", "", _share(shadow["agreement"])),
-                  ("mean abs difference", "", _number(shadow["mean_abs_diff"])),
-                  ("p99 on the same requests", _ms(shadow["served_p99_ms"]), _ms(shadow["p99_ms"]))]
+                  ("compared", "", shadow["compared"]), ("agreement", "", format_share(shadow["agreement"])),
+                  ("mean abs difference", "", format_number(shadow["mean_abs_diff"])),
+                  ("p99 on the same requests", format_ms(shadow["served_p99_ms"]), format_ms(shadow["p99_ms"]))]
     print(table(heads, lines))
