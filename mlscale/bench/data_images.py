@@ -76,7 +76,7 @@ def measure_mlscale(root: str, crop: int, batches: int, warmup: int, workers: in
     data = MapData(dataset)
 
     def make(n: int) -> DatasetLoader:
-        return DatasetLoader(data, rank=0, world=1, batch_size=BATCH, seed=0, workers=n, prefetch=2)
+        return DatasetLoader(data, rank=0, world=1, step_batch=BATCH, seed=0, workers=n, prefetch=2)
 
     tuning_s, picked = 0.0, workers
     if workers == "auto":
@@ -98,7 +98,7 @@ def measure_threads(root: str, crop: int, batches: int, warmup: int, threads: in
     from mlscale.data.images import ImageFolder
     from mlscale.data.threads import ThreadLoader
 
-    loader = ThreadLoader(MapData(ImageFolder(root, crop, seed=0)), rank=0, world=1, batch_size=BATCH, seed=0,
+    loader = ThreadLoader(MapData(ImageFolder(root, crop, seed=0)), rank=0, world=1, step_batch=BATCH, seed=0,
                           threads=threads)
     try:
         return {"images_per_s": _timed(loader, batches, warmup), "threads": threads}
@@ -270,7 +270,7 @@ from mlscale.data.parquet_images import ParquetImages
 from mlscale.data.shards import TarShards
 shards, batches, kind = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 dataset = TarShards(shards, 32, seed=0) if kind == "tar" else ParquetImages(shards, 32, seed=0)
-loader = DatasetLoader(MapData(dataset), rank=0, world=1, batch_size=64, seed=0, workers=2)
+loader = DatasetLoader(MapData(dataset), rank=0, world=1, step_batch=64, seed=0, workers=2)
 for _ in range(batches):
     next(loader)
 def rss(pid):

@@ -77,7 +77,7 @@ def _mlscale(data: Any, workers: int | str, batch_size: int, tuning: dict[str, A
     from mlscale.data.pipeline import DatasetLoader, autotune_workers
 
     def make(n: int) -> DatasetLoader:
-        return DatasetLoader(data, rank=0, world=1, batch_size=batch_size, seed=0, workers=n, prefetch=2)
+        return DatasetLoader(data, rank=0, world=1, step_batch=batch_size, seed=0, workers=n, prefetch=2)
 
     if workers == "auto":
         start = time.perf_counter()
@@ -86,7 +86,7 @@ def _mlscale(data: Any, workers: int | str, batch_size: int, tuning: dict[str, A
                       tuning_ms_per_batch={str(n): ms for n, ms in timings.items()})
         workers = picked
     if workers == 0 and "picked" not in tuning:
-        loader: Any = ShardLoader(data, rank=0, world=1, batch_size=batch_size, seed=0)
+        loader: Any = ShardLoader(data, rank=0, world=1, step_batch=batch_size, seed=0)
         return _Timed(loader, lambda: None)
     loader = make(int(workers))
     return _Timed(loader, loader.close)

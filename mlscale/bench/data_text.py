@@ -81,7 +81,7 @@ def mlscale_epochs(corpus: Path, tokenizer_path: Path, seq_len: int) -> dict[str
             data = MapData(PackedText(tokens, seq_len, meta["end"]))
             passes = []
             for _ in range(2):
-                loader = ShardLoader(data, rank=0, world=1, batch_size=BATCH, seed=0)
+                loader = ShardLoader(data, rank=0, world=1, step_batch=BATCH, seed=0)
                 steps = len(data) // BATCH
                 begin = time.perf_counter()
                 for _ in range(steps):

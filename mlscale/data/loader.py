@@ -29,15 +29,15 @@ class Position:
         return asdict(self)
 
 
-def steps_per_epoch(size: int, world: int, batch_size: int) -> int:
-    return (size // world) // batch_size
+def steps_per_epoch(size: int, world: int, step_batch: int) -> int:
+    return (size // world) // step_batch
 
 
-def check_a_batch_fits(size: int, world: int, batch_size: int, source: str = "the data set") -> None:
+def check_a_batch_fits(size: int, world: int, step_batch: int, source: str = "the data set") -> None:
     """Refuse, in one line naming ``--batch-size``, shards too small to give every worker one batch an
     epoch: the one check of it, made by the job's plan before any process starts and by the loaders."""
-    if steps_per_epoch(size, world, batch_size) == 0:
-        raise UsageError(f"bad value batch-size={batch_size}: {batch_size} per worker x {world} worker(s) is more "
+    if steps_per_epoch(size, world, step_batch) == 0:
+        raise UsageError(f"bad value batch-size={step_batch}: {step_batch} per worker x {world} worker(s) is more "
                          f"than the {size:,} training samples of {source}")
 
 
@@ -53,11 +53,11 @@ class ShardLoader:
     """Yields ``(inputs, targets)`` batches of this rank's shard, epoch after epoch, forever, in this
     process: rows of in-memory tensors, or a user's Dataset's items collated (``MapData``)."""
 
-    def __init__(self, data: TensorData | MapData, *, rank: int, world: int, batch_size: int, seed: int,
+    def __init__(self, data: TensorData | MapData, *, rank: int, world: int, step_batch: int, seed: int,
                  position: Position | None = None) -> None:
-        check_a_batch_fits(len(data), world, batch_size)
+        check_a_batch_fits(len(data), world, step_batch)
         self.data, self.rank, self.world = data, rank, world
-        self.batch_size, self.seed = batch_size, seed
+        self.step_batch, self.seed = step_batch, seed
         self.position = position or Position()
         self.shards = sample_shards(data)  # data stored in shards: an order that keeps a rank on its own
         self.last_ids: torch.Tensor | None = None  # the data set indices of the batch last returned
@@ -73,12 +73,12 @@ class ShardLoader:
         return self
 
     def __next__(self) -> tuple[Any, Any]:
-        if self._cursor + self.batch_size > len(self._indices):
+        if self._cursor + self.step_batch > len(self._indices):
             self.position = Position(self.position.epoch + 1, 0)
             self._load_epoch()
-        idx = self._indices[self._cursor: self._cursor + self.batch_size]
-        self._cursor += self.batch_size
-        self.position = Position(self.position.epoch, self.position.offset + self.batch_size * self.world)
+        idx = self._indices[self._cursor: self._cursor + self.step_batch]
+        self._cursor += self.step_batch
+        self.position = Position(self.position.epoch, self.position.offset + self.step_batch * self.world)
         noted = len(getattr(self.data, "bad", ()))
         batch = self.data.batch(idx, self.position.epoch)
         self.last_bad = list(getattr(self.data, "bad", [])[noted:])

@@ -250,10 +250,10 @@ def epoch_rows(rows: Sequence[int], world: int, seed: int) -> int:
     return min(sum(rows[g] for g in groups) for groups in deal_row_groups(rows, world, seed))
 
 
-def epoch_steps_for(data: TensorData | ParquetData, world: int, batch_size: int, seed: int) -> int:
+def epoch_steps_for(data: TensorData | ParquetData, world: int, step_batch: int, seed: int) -> int:
     if isinstance(data, ParquetData):
-        return epoch_rows([group.rows for group in data.groups], world, seed) // batch_size
-    return steps_per_epoch(len(data), world, batch_size)
+        return epoch_rows([group.rows for group in data.groups], world, seed) // step_batch
+    return steps_per_epoch(len(data), world, step_batch)
 
 
 def check_resumable(data: TensorData | ParquetData, position: Position, saved_world: int, world: int) -> None:
@@ -264,7 +264,7 @@ def check_resumable(data: TensorData | ParquetData, position: Position, saved_wo
                          f"resume with {saved_world}, or from a checkpoint at an epoch boundary")
 
 
-def check_shardable(data: ParquetData, world: int, batch_size: int, seed: int) -> None:
+def check_shardable(data: ParquetData, world: int, step_batch: int, seed: int) -> None:
     """Refuse, in one line, a data set that cannot give every worker a batch in every epoch."""
     rows = [group.rows for group in data.groups]
     if len(rows) < world:
@@ -272,8 +272,8 @@ def check_shardable(data: ParquetData, world: int, batch_size: int, seed: int) -
                          "worker reads whole row groups; write smaller row groups (row_group_size) or use fewer "
                          "workers")
     fewest = epoch_rows(rows, world, seed)
-    if fewest < batch_size:
-        raise UsageError(f"bad value batch-size={batch_size}: the {len(rows)} row groups dealt to {world} workers "
+    if fewest < step_batch:
+        raise UsageError(f"bad value batch-size={step_batch}: the {len(rows)} row groups dealt to {world} workers "
                          f"leave one with {fewest:,} rows, less than a batch; write smaller row groups or use a "
                          "smaller batch")
 
@@ -287,13 +287,13 @@ class _ParquetBatches:
     """Batches of one worker's stream as ``[B, 2]`` tensors of (row group, row in group), forever;
     each batch's end position queued as it goes. Only indices: the rows are read by the dataset."""
 
-    def __init__(self, data: ParquetData, rank: int, world: int, batch_size: int, seed: int, window: int,
+    def __init__(self, data: ParquetData, rank: int, world: int, step_batch: int, seed: int, window: int,
                  position: Position) -> None:
         self.rows = [group.rows for group in data.groups]
         plan = deal_row_groups(self.rows, world, seed)
         self.groups = plan[rank]
         self.epoch_rows = min(sum(self.rows[g] for g in groups) for groups in plan)
-        self.rank, self.world, self.batch_size, self.seed, self.window = rank, world, batch_size, seed, window
+        self.rank, self.world, self.step_batch, self.seed, self.window = rank, world, step_batch, seed, window
         self.start = position
         self.positions: collections.deque[Position] = collections.deque()
 
@@ -309,7 +309,7 @@ class _ParquetBatches:
             yield pairs[torch.randperm(len(pairs), generator=shuffle)]
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        position, batch = self.start, self.batch_size
+        position, batch = self.start, self.step_batch
         while True:
             consumed = position.offset // self.world  # rows of this worker trained on in this epoch
             skip, pending = consumed, torch.empty((0, 2), dtype=torch.int64)
@@ -410,13 +410,13 @@ class ParquetLoader(StreamLoader):
     ``cache_key`` names what else makes the samples (the task, its options, the dtype): a disk cache
     made for anything else is not reused."""
 
-    def __init__(self, data: ParquetData, *, rank: int, world: int, batch_size: int, seed: int,
+    def __init__(self, data: ParquetData, *, rank: int, world: int, step_batch: int, seed: int,
                  position: Position | None = None, workers: int = 0, prefetch: int = 2,
                  transform: Transform | None = None, cache: CacheKind = "none", cache_dir: Path | None = None,
                  cache_key: str = "", pin_memory: bool = False, window: int = 4) -> None:
-        check_shardable(data, world, batch_size, seed)
+        check_shardable(data, world, step_batch, seed)
         position = position or Position()
-        batches = _ParquetBatches(data, rank, world, batch_size, seed, window, position)
+        batches = _ParquetBatches(data, rank, world, step_batch, seed, window, position)
         # A batch near a window's end takes rows of the next window too: two windows stay decoded.
         rows = _ParquetRows(data, batches.groups, transform, cache, cache_dir, cache_key, keep=2 * window)
         super().__init__(rows, batches, position, workers=workers, prefetch=prefetch, pin_memory=pin_memory,

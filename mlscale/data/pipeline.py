@@ -141,12 +141,12 @@ class BatchPlan(Protocol):
 class _Batches:
     """The ShardLoader's batches as index lists, forever; each batch's end position queued as it goes."""
 
-    def __init__(self, size: int, rank: int, world: int, batch_size: int, seed: int, position: Position,
+    def __init__(self, size: int, rank: int, world: int, step_batch: int, seed: int, position: Position,
                  with_epoch: bool = False, shards: Any = None) -> None:
         """``with_epoch``: yield ``(index, epoch)`` pairs, for a Dataset whose items depend on the epoch;
         ``shards``: the shard each sample is read from (``sampler.sample_shards``)."""
         self.shards = shards
-        self.size, self.rank, self.world, self.batch_size, self.seed = size, rank, world, batch_size, seed
+        self.size, self.rank, self.world, self.step_batch, self.seed = size, rank, world, step_batch, seed
         self.with_epoch = with_epoch
         self.start = position
         self.positions: collections.deque[Position] = collections.deque()
@@ -157,10 +157,10 @@ class _Batches:
         while True:
             indices = shard_indices(self.size, self.rank, self.world, seed=self.seed, epoch=position.epoch,
                                     start=position.offset, shards=self.shards)
-            for cursor in range(0, len(indices) - self.batch_size + 1, self.batch_size):
-                position = Position(position.epoch, position.offset + self.batch_size * self.world)
+            for cursor in range(0, len(indices) - self.step_batch + 1, self.step_batch):
+                position = Position(position.epoch, position.offset + self.step_batch * self.world)
                 self.positions.append(position)
-                chosen = indices[cursor: cursor + self.batch_size]
+                chosen = indices[cursor: cursor + self.step_batch]
                 self.ids.append(chosen)
                 yield [(i, position.epoch) for i in chosen.tolist()] if self.with_epoch else chosen.tolist()
             position = Position(position.epoch + 1, 0)
@@ -221,14 +221,14 @@ class PipelineLoader(StreamLoader):
     names what makes the samples (the task, its options, the dtype), so that a disk cache made for
     anything else is not reused."""
 
-    def __init__(self, data: TensorData, *, rank: int, world: int, batch_size: int, seed: int,
+    def __init__(self, data: TensorData, *, rank: int, world: int, step_batch: int, seed: int,
                  position: Position | None = None, workers: int = 0, prefetch: int = 2,
                  transform: Transform | None = None, cache: CacheKind = "none", cache_dir: Path | None = None,
                  cache_key: str = "", pin_memory: bool = False) -> None:
-        check_a_batch_fits(len(data), world, batch_size)
+        check_a_batch_fits(len(data), world, step_batch)
         position = position or Position()
         super().__init__(_Samples(data, transform, cache, cache_dir, cache_key),
-                         _Batches(len(data), rank, world, batch_size, seed, position), position,
+                         _Batches(len(data), rank, world, step_batch, seed, position), position,
                          workers=workers, prefetch=prefetch, pin_memory=pin_memory)
 
 
@@ -237,17 +237,17 @@ class DatasetLoader(StreamLoader):
     (and collated with the task's collate) in ``workers`` DataLoader processes, kept by ``--data-cache``
     when asked (``item_cache``: the items' shapes may differ)."""
 
-    def __init__(self, data: MapData, *, rank: int, world: int, batch_size: int, seed: int,
+    def __init__(self, data: MapData, *, rank: int, world: int, step_batch: int, seed: int,
                  position: Position | None = None, workers: int = 0, prefetch: int = 2,
                  transform: Transform | None = None, cache: CacheKind = "none", cache_dir: Path | None = None,
                  cache_key: str = "", pin_memory: bool = False) -> None:
-        check_a_batch_fits(len(data), world, batch_size)
+        check_a_batch_fits(len(data), world, step_batch)
         position = position or Position()
         if cache != "none" and data.per_epoch:
             raise UsageError(f"bad value data-cache={cache!r}: this Dataset's items change with the epoch "
                              "(item_for_epoch: its augmentation), so they cannot be kept by index")
         self.cache = make_item_cache(cache, cache_dir, cache_key)
-        batches = _Batches(len(data), rank, world, batch_size, seed, position, with_epoch=data.per_epoch,
+        batches = _Batches(len(data), rank, world, step_batch, seed, position, with_epoch=data.per_epoch,
                            shards=sample_shards(data))
         super().__init__(Items(data, self.cache), batches,
                          position, workers=workers, prefetch=prefetch, pin_memory=pin_memory,

@@ -26,13 +26,13 @@ from mlscale.data.sampler import sample_shards
 class ThreadLoader(StreamLoader):
     """``ShardLoader``'s batches of a Dataset, items read by ``threads`` threads, ``prefetch`` batches ahead."""
 
-    def __init__(self, data: MapData, *, rank: int, world: int, batch_size: int, seed: int,
+    def __init__(self, data: MapData, *, rank: int, world: int, step_batch: int, seed: int,
                  position: Position | None = None, threads: int = 2, prefetch: int = 2) -> None:
-        check_a_batch_fits(len(data), world, batch_size)
+        check_a_batch_fits(len(data), world, step_batch)
         self.position = position or Position()
         self.workers = 0  # no worker processes
         self.threads = threads
-        self._batches = _Batches(len(data), rank, world, batch_size, seed, self.position, with_epoch=data.per_epoch,
+        self._batches = _Batches(len(data), rank, world, step_batch, seed, self.position, with_epoch=data.per_epoch,
                                  shards=sample_shards(data))
         self._plan = iter(self._batches)
         self.samples = Items(data)

@@ -196,7 +196,7 @@ class Trainer:
         ``ParquetLoader``); for in-memory data the same batches and positions either way."""
         config, shard = self.config, self.shard
         assert shard is not None
-        plain = dict(rank=shard, world=self.shards, batch_size=self.plan.step_batch, seed=config.seed)
+        plain = dict(rank=shard, world=self.shards, step_batch=self.plan.step_batch, seed=config.seed)
         streamed = isinstance(self.train_data, ParquetData)
         if config.data.data_threads and isinstance(self.train_data, MapData):
             self.data_workers = 0

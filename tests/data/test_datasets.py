@@ -83,7 +83,7 @@ def test_a_dataset_epoch_resumed_at_another_world_size_trains_the_rest_once(size
     seen: list[int] = []
     position = Position()
     for rank in range(start_world):
-        loader = ShardLoader(data, rank=rank, world=start_world, batch_size=batch, seed=3)
+        loader = ShardLoader(data, rank=rank, world=start_world, step_batch=batch, seed=3)
         for _ in range(steps_before):
             next(loader)
             seen.extend(loader.last_ids.tolist())
@@ -92,7 +92,7 @@ def test_a_dataset_epoch_resumed_at_another_world_size_trains_the_rest_once(size
         return
     shares = []
     for rank in range(world):
-        loader = ShardLoader(data, rank=rank, world=world, batch_size=batch, seed=3, position=position)
+        loader = ShardLoader(data, rank=rank, world=world, step_batch=batch, seed=3, position=position)
         share = []
         while loader.position.epoch == 0 and loader.position.offset + world * batch <= size:
             inputs, _ = next(loader)
@@ -106,10 +106,10 @@ def test_a_dataset_epoch_resumed_at_another_world_size_trains_the_rest_once(size
 
 def test_data_workers_and_the_item_cache_give_the_batches_of_the_loader_in_process(tmp_path):
     data = MapData(Sentences(64), PadCollate(mask="attention_mask"), dtype=torch.float64)
-    plain = ShardLoader(data, rank=1, world=2, batch_size=4, seed=0)
+    plain = ShardLoader(data, rank=1, world=2, step_batch=4, seed=0)
     expected = [next(plain) for _ in range(24)]  # 3 epochs of 8 steps: the later ones read the cache
     for cache in ("memory", "disk"):
-        loader = DatasetLoader(data, rank=1, world=2, batch_size=4, seed=0, workers=2, cache=cache,
+        loader = DatasetLoader(data, rank=1, world=2, step_batch=4, seed=0, workers=2, cache=cache,
                                cache_dir=tmp_path / "cache", cache_key="k")
         got = [next(loader) for _ in range(24)]
         for (inputs, targets), (want_inputs, want_targets) in zip(got, expected, strict=True):
@@ -168,7 +168,7 @@ def test_samples_that_cannot_be_stacked_name_the_collate_to_give():
 @pytest.mark.parametrize("workers", [0, 1])
 def test_a_failing_item_names_its_index_and_exception_also_from_a_worker_process(workers):
     data = MapData(Broken("raises", at=5, size=16), PadCollate(mask="attention_mask"))
-    loader = DatasetLoader(data, rank=0, world=1, batch_size=16, seed=0, workers=workers)
+    loader = DatasetLoader(data, rank=0, world=1, step_batch=16, seed=0, workers=workers)
     with pytest.raises(SampleError) as raised:
         next(loader)
     loader.close()
@@ -177,7 +177,7 @@ def test_a_failing_item_names_its_index_and_exception_also_from_a_worker_process
 
 def test_a_data_worker_that_dies_names_the_sample_it_was_reading():
     data = MapData(Broken("dies", at=9, size=16), PadCollate(mask="attention_mask"))
-    loader = DatasetLoader(data, rank=0, world=1, batch_size=16, seed=0, workers=1)
+    loader = DatasetLoader(data, rank=0, world=1, step_batch=16, seed=0, workers=1)
     with pytest.raises(SampleError, match="a data-loading worker process died while reading sample 9"):
         next(loader)
     loader.close()
@@ -185,7 +185,7 @@ def test_a_data_worker_that_dies_names_the_sample_it_was_reading():
 
 def test_a_sample_left_out_under_bad_samples_skip_is_noted_and_its_batch_trains_without_it():
     data = MapData(Broken("raises", at=5, size=16), PadCollate(mask="attention_mask"), skip_bad=True)
-    loader = ShardLoader(data, rank=0, world=1, batch_size=8, seed=0)
+    loader = ShardLoader(data, rank=0, world=1, step_batch=8, seed=0)
     seen = []
     for _ in range(2):
         inputs, targets = next(loader)
@@ -211,7 +211,7 @@ def _parent(pid: str) -> int:
 
 def test_closing_a_loader_stops_its_worker_processes_at_once():
     before = set(_children())
-    loader = DatasetLoader(MapData(Sentences(32), PadCollate(mask="attention_mask")), rank=0, world=1, batch_size=4,
+    loader = DatasetLoader(MapData(Sentences(32), PadCollate(mask="attention_mask")), rank=0, world=1, step_batch=4,
                            seed=0, workers=2)
     next(loader)
     assert len(set(_children()) - before) == 2
@@ -223,14 +223,14 @@ def test_data_threads_give_the_batches_of_the_loader_in_process_across_epochs_an
     from mlscale.data.threads import ThreadLoader
 
     data = MapData(Sentences(40), PadCollate(mask="attention_mask"))
-    plain = ShardLoader(data, rank=1, world=2, batch_size=4, seed=3)
+    plain = ShardLoader(data, rank=1, world=2, step_batch=4, seed=3)
     expected = [(next(plain), plain.last_ids.tolist(), plain.position) for _ in range(12)]  # 5 steps an epoch
-    threads = ThreadLoader(data, rank=1, world=2, batch_size=4, seed=3, threads=3)
+    threads = ThreadLoader(data, rank=1, world=2, step_batch=4, seed=3, threads=3)
     for (want, ids, position) in expected:
         inputs, targets = next(threads)
         assert all(torch.equal(inputs[key], want[0][key]) for key in want[0]) and torch.equal(targets, want[1])
         assert threads.last_ids.tolist() == ids and threads.position == position
     threads.close()
-    resumed = ThreadLoader(data, rank=1, world=2, batch_size=4, seed=3, threads=2, position=expected[6][2])
+    resumed = ThreadLoader(data, rank=1, world=2, step_batch=4, seed=3, threads=2, position=expected[6][2])
     assert torch.equal(next(resumed)[1], expected[7][0][1])
     resumed.close()

@@ -52,13 +52,13 @@ def test_the_same_sample_ids_get_bit_identical_crops_in_any_layout(folder):
     data = MapData(ImageFolder(folder, size=24, seed=7))
     two: dict[tuple[int, int], torch.Tensor] = {}  # 2 ranks in the training process, an epoch and a half
     for rank in range(2):
-        two.update(_tensors(ShardLoader(data, rank=rank, world=2, batch_size=3, seed=1), 9))
-    start = ShardLoader(data, rank=0, world=2, batch_size=3, seed=1)
+        two.update(_tensors(ShardLoader(data, rank=rank, world=2, step_batch=3, seed=1), 9))
+    start = ShardLoader(data, rank=0, world=2, step_batch=3, seed=1)
     for _ in range(3):
         next(start)  # mid-epoch 0: 18 of its 36 samples trained
     three: dict[tuple[int, int], torch.Tensor] = {}  # resumed there on 3 ranks with 2 data workers each
     for rank in range(3):
-        loader = DatasetLoader(data, rank=rank, world=3, batch_size=2, seed=1, position=start.position, workers=2)
+        loader = DatasetLoader(data, rank=rank, world=3, step_batch=2, seed=1, position=start.position, workers=2)
         three.update(_tensors(loader, 6))
         loader.close()
     common = two.keys() & three.keys()
@@ -107,7 +107,7 @@ def test_a_batch_of_images_is_stacked_channels_last_with_the_values_of_a_plain_s
     """Decoded images are ``H x W x 3`` in memory: the batch keeps that layout (one copy a sample, not a
     transposing copy of the batch), in the training process and in a data worker's shared memory."""
     data = MapData(ImageFolder(folder, size=24, seed=1))
-    loader = DatasetLoader(data, rank=0, world=1, batch_size=4, seed=0, workers=workers)
+    loader = DatasetLoader(data, rank=0, world=1, step_batch=4, seed=0, workers=workers)
     try:
         images, labels = next(loader)
         ids = loader.last_ids.tolist()

@@ -67,7 +67,7 @@ def test_each_worker_streams_only_its_own_row_groups_and_no_row_twice(numbered, 
     rows = [g.rows for g in numbered.groups]
     plan = deal_row_groups(rows, world, seed=4)
     steps = _steps(numbered, world, batch, seed=4)
-    loaders = [ParquetLoader(numbered, rank=r, world=world, batch_size=batch, seed=4, workers=workers, window=2)
+    loaders = [ParquetLoader(numbered, rank=r, world=world, step_batch=batch, seed=4, workers=workers, window=2)
                for r in range(world)]
     try:
         epochs = []
@@ -90,7 +90,7 @@ def test_each_worker_streams_only_its_own_row_groups_and_no_row_twice(numbered, 
 
 
 def test_only_two_windows_of_row_groups_are_decoded_at_a_time(numbered):
-    loader = ParquetLoader(numbered, rank=0, world=1, batch_size=10, seed=0, window=2)
+    loader = ParquetLoader(numbered, rank=0, world=1, step_batch=10, seed=0, window=2)
     try:
         for _ in range(60):
             next(loader)
@@ -103,13 +103,13 @@ def test_only_two_windows_of_row_groups_are_decoded_at_a_time(numbered):
 def test_a_resume_mid_epoch_reads_exactly_the_rest(numbered, workers):
     options = dict(world=2, seed=9, window=3)
     steps = _steps(numbered, 2, 8, seed=9)
-    whole = [ParquetLoader(numbered, rank=r, batch_size=8, workers=workers, **options) for r in range(2)]
+    whole = [ParquetLoader(numbered, rank=r, step_batch=8, workers=workers, **options) for r in range(2)]
     expected = [_epoch(loader, steps + 5) for loader in whole]  # past the epoch's end
     middle = 11
-    resumed = [ParquetLoader(numbered, rank=r, batch_size=8, workers=workers, position=Position(0, middle * 8 * 2),
+    resumed = [ParquetLoader(numbered, rank=r, step_batch=8, workers=workers, position=Position(0, middle * 8 * 2),
                              **options) for r in range(2)]
     # with another batch size, the same rows follow, in the same order
-    regrouped = ParquetLoader(numbered, rank=1, batch_size=4, position=Position(0, middle * 8 * 2), **options)
+    regrouped = ParquetLoader(numbered, rank=1, step_batch=4, position=Position(0, middle * 8 * 2), **options)
     try:
         for rank in range(2):
             assert all(torch.equal(a, b) for a, b in zip(_epoch(resumed[rank], steps + 5 - middle),
@@ -131,7 +131,7 @@ def test_a_mid_epoch_resume_at_another_world_size_is_refused(numbered):
 
 def test_the_disk_cache_fills_in_the_first_epoch_and_a_restart_reads_it(numbered, tmp_path):
     def loader() -> ParquetLoader:
-        return ParquetLoader(numbered, rank=0, world=1, batch_size=10, seed=2, workers=2, cache="disk",
+        return ParquetLoader(numbered, rank=0, world=1, step_batch=10, seed=2, workers=2, cache="disk",
                              cache_dir=tmp_path)
 
     first = loader()
@@ -155,7 +155,7 @@ def test_the_disk_cache_fills_in_the_first_epoch_and_a_restart_reads_it(numbered
 
 def test_a_shards_cache_holds_its_own_rows_and_a_large_seed_is_fine(numbered, tmp_path):
     rows = [g.rows for g in numbered.groups]
-    loader = ParquetLoader(numbered, rank=1, world=2, batch_size=8, seed=2**32 - 1, cache="memory")
+    loader = ParquetLoader(numbered, rank=1, world=2, step_batch=8, seed=2**32 - 1, cache="memory")
     try:
         own = sum(rows[g] for g in deal_row_groups(rows, 2, seed=2**32 - 1)[1])
         assert len(loader.samples.cache.filled) == own < ROWS
@@ -243,7 +243,7 @@ def test_files_whose_columns_differ_stop_with_one_line(tmp_path):
         rows = [[float(i)] * width for i in range(8)]
         pq.write_table(pa.table({"x": pa.array(rows, type=pa.list_(pa.float32(), width)), "y": list(range(8))}),
                        tmp_path / f"{name}.parquet")
-    loader = ParquetLoader(ParquetData(tmp_path, target="y"), rank=0, world=1, batch_size=4, seed=0, window=1)
+    loader = ParquetLoader(ParquetData(tmp_path, target="y"), rank=0, world=1, step_batch=4, seed=0, window=1)
     try:
         with pytest.raises(UsageError, match="every file must have the same columns and types"):
             for _ in range(4):

@@ -26,7 +26,7 @@ def _double(sample: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize(("rank", "world", "start"), [(0, 1, Position()), (1, 2, Position(epoch=1, offset=12))])
 def test_workers_deliver_the_shard_loaders_batches_and_positions(rank, world, start):
-    options = dict(rank=rank, world=world, batch_size=3, seed=5)
+    options = dict(rank=rank, world=world, step_batch=3, seed=5)
     reference = ShardLoader(_data(), position=start, **options)
     pipeline = PipelineLoader(_data(), position=start, workers=2, prefetch=2, **options)
     try:
@@ -41,7 +41,7 @@ def test_workers_deliver_the_shard_loaders_batches_and_positions(rank, world, st
 @pytest.mark.parametrize("kind", ["memory", "disk"])
 def test_the_cache_fills_in_the_first_epoch_and_serves_the_transformed_samples(kind, tmp_path):
     def pipeline_over_the_cache() -> PipelineLoader:
-        return PipelineLoader(_data(), rank=0, world=1, batch_size=5, seed=1, workers=2, transform=_double,
+        return PipelineLoader(_data(), rank=0, world=1, step_batch=5, seed=1, workers=2, transform=_double,
                               cache=kind, cache_dir=tmp_path / "cache")
 
     pipeline = pipeline_over_the_cache()

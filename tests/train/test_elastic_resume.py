@@ -52,13 +52,13 @@ def test_no_sample_is_seen_twice_or_skipped_across_a_change_of_worker_count(befo
     size, batch = 103, 4
     data = TensorData(inputs=torch.arange(size).unsqueeze(1), targets=torch.arange(size))
     seen = []
-    loaders = [ShardLoader(data, rank=r, world=before, batch_size=batch, seed=9) for r in range(before)]
+    loaders = [ShardLoader(data, rank=r, world=before, step_batch=batch, seed=9) for r in range(before)]
     for _ in range(3):
         for loader in loaders:
             seen += next(loader)[1].tolist()
     position = loaders[0].position
     assert position == Position(epoch=0, offset=3 * batch * before)
-    loaders = [ShardLoader(data, rank=r, world=after, batch_size=batch, seed=9, position=position)
+    loaders = [ShardLoader(data, rank=r, world=after, step_batch=batch, seed=9, position=position)
                for r in range(after)]
     while loaders[0].position.epoch == 0:
         steps_left = (size - loaders[0].position.offset) // after // batch

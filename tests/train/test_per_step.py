@@ -246,7 +246,7 @@ def assert_trained_as_recorded(run_dir, report, groups, group_size, steps=STEPS)
     model = task.build_model().to(torch.float64)
     optimizer = build_optimizer(config, model.parameters())
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor(config, steps))
-    loaders = [ShardLoader(data, rank=shard, world=shards, batch_size=BATCH, seed=config.seed)
+    loaders = [ShardLoader(data, rank=shard, world=shards, step_batch=BATCH, seed=config.seed)
                for shard in range(shards)]
     history = participants_by_step(report)
     for step in range(steps):
