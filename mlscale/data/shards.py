@@ -84,9 +84,10 @@ class ShardIndex:
     """Where each sample of the shards is: shard number, offset and size of its image, its label."""
 
     def __init__(self, shards: list[str], shard: np.ndarray, offset: np.ndarray, size: np.ndarray,
-                 label: np.ndarray, names: list[str]) -> None:
+                 label: np.ndarray, names: list[str], shard_bytes: list[int | None]) -> None:
         self.shards, self.shard, self.offset, self.size = shards, shard, offset, size
         self.label, self.names = label, names
+        self.shard_bytes = shard_bytes  # each shard's size, from the stamps the index is checked against
 
     @classmethod
     def of(cls, shards: list[str]) -> ShardIndex:
@@ -96,7 +97,7 @@ class ShardIndex:
         if kept.exists():
             saved = np.load(kept, allow_pickle=False)
             return cls(shards, saved["shard"], saved["offset"], saved["size"], saved["label"],
-                       list(saved["names"].astype(str)))
+                       list(saved["names"].astype(str)), [stamp[0] for stamp in stamps])
         columns: dict[str, list[Any]] = {"shard": [], "offset": [], "size": [], "label": [], "names": []}
         for number, path in enumerate(shards):
             images: dict[str, tarfile.TarInfo] = {}
@@ -117,7 +118,8 @@ class ShardIndex:
         if not columns["shard"]:
             raise UsageError(f"no images in the {len(shards)} shard(s) ({', '.join(shards[:3])}...)")
         index = cls(shards, np.asarray(columns["shard"], np.int32), np.asarray(columns["offset"], np.int64),
-                    np.asarray(columns["size"], np.int32), np.asarray(columns["label"], np.int32), columns["names"])
+                    np.asarray(columns["size"], np.int32), np.asarray(columns["label"], np.int32), columns["names"],
+                    [stamp[0] for stamp in stamps])
         try:
             kept.parent.mkdir(parents=True, exist_ok=True)
             temporary = kept.with_suffix(".part.npz")
@@ -173,7 +175,6 @@ class TarShards(AugmentedImages):
         self._handles: dict[int, BinaryIO] = {}
         self._pid = os.getpid()
         self.cache: ObjectCache | None = None
-        self._sizes: dict[int, int] = {}  # remote shards' sizes in bytes, asked once
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -201,7 +202,7 @@ class TarShards(AugmentedImages):
         row = int(self.indices[index])
         shard, offset, size = int(self.index.shard[row]), int(self.index.offset[row]), int(self.index.size[row])
         path = self.index.shards[shard]
-        if is_remote(path) and not self._fetch_whole(shard, path):
+        if is_remote(path) and not self._fetch_whole(shard):
             import fsspec
 
             fs, inner = fsspec.core.url_to_fs(path)
@@ -214,17 +215,11 @@ class TarShards(AugmentedImages):
             raise OSError(f"the shard ends {size - len(data)} bytes short of this member (truncated)")
         return io.BytesIO(data)
 
-    def _fetch_whole(self, shard: int, url: str) -> bool:
+    def _fetch_whole(self, shard: int) -> bool:
         """Whether remote shard ``shard`` is fetched whole into the cache: when there is one and it holds four
         such shards (else each member is a ranged read)."""
-        if self.cache is None:
-            return False
-        if shard not in self._sizes:
-            import fsspec
-
-            fs, inner = fsspec.core.url_to_fs(url)
-            self._sizes[shard] = int(with_retries(f"reading the size of {url}", lambda: fs.size(inner)))
-        return 4 * self._sizes[shard] <= self.cache.limit
+        size = self.index.shard_bytes[shard]
+        return self.cache is not None and size is not None and 4 * size <= self.cache.limit
 
     def _handle(self, shard: int, path: str) -> BinaryIO:
         """Shard ``shard`` open for reading in this process (kept open: an item is one seek and one read): the
@@ -248,9 +243,8 @@ class TarShards(AugmentedImages):
             with_retries(f"fetching {url}", lambda: fs.get_file(inner, to))
 
         for attempt in range(2):
-            copy = self.cache.local_copy(url, fetch)
             try:
-                return open(copy, "rb")
+                return open(self.cache.local_copy(url, fetch), "rb")
             except FileNotFoundError:  # another process trimmed it from the cache just now: fetched again
                 if attempt:
                     raise
