@@ -18,10 +18,11 @@ demo: $(BIN)/.installed
 
 # The suite in two parts, both always run: on 4 pytest-xdist workers, a module at a time each, the
 # slowest first (tests/conftest.py; most tests wait on subprocesses, sockets and sleeps, so 4 pays on
-# 2 cores), then the tests marked `alone` (they time something against a budget) one at a time.
+# 2 cores), then the tests marked `alone` (they time something against a budget) one at a time. The 25
+# slowest tests of the first part are listed at its end: where the suite's minutes go.
 test: $(BIN)/.installed
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -n 4 --dist loadscope --no-loadscope-reorder -m "not alone"; parallel=$$?; \
+	$(BIN)/python -m pytest -q -n 4 --dist loadscope --no-loadscope-reorder --durations=25 -m "not alone"; parallel=$$?; \
 	$(BIN)/python -m pytest -q -m alone; alone=$$?; \
 	test $$parallel -eq 0 -a $$alone -eq 0
 

@@ -120,6 +120,36 @@ def import_graph(root: Path = REPO, package: str = PACKAGE) -> dict[str, set[str
             for name, path in modules.items()}
 
 
+def all_imports(root: Path = REPO, package: str = PACKAGE) -> dict[str, list[Import]]:
+    """Module -> every import it writes (:func:`imports`), each file read once."""
+    modules = module_files(root, package)
+    return {name: imports(path, modules, root) for name, path in modules.items()}
+
+
+def top_level_imports(found: dict[str, list[Import]]) -> dict[str, set[str]]:
+    """Module -> every module (of any package) it imports when it is itself imported: its imports outside
+    functions and outside ``if TYPE_CHECKING:``, and the package it sits in (``found`` from
+    :func:`all_imports`)."""
+    top = {}
+    for name, written in found.items():
+        parent = name.rpartition(".")[0]
+        top[name] = {i.module for i in written if not i.in_function and not i.type_checking} | {parent} - {"", name}
+    return top
+
+
+def imported_with(module: str, top: dict[str, set[str]]) -> set[str]:
+    """Every module that importing ``module`` imports, through the package's modules at any depth (``top``
+    from :func:`top_level_imports`); a module outside the package counts as itself, not what it imports."""
+    seen = {module}
+    work = [module]
+    while work:
+        for child in top.get(work.pop(), ()):
+            if child not in seen:
+                seen.add(child)
+                work.append(child)
+    return seen
+
+
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
     index: dict[str, int] = {}

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from mlscale.common.lazy import lazy_names
 from mlscale.errors import MlscaleError, UsageError, WorkerFailed
-from mlscale.lazy import lazy_names
 
 if TYPE_CHECKING:
     from mlscale.config import TrainConfig, build_config

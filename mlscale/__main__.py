@@ -1,6 +1,6 @@
 """``python -m mlscale``: the same command as ``mlscale``."""
 
-from mlscale.safe_path import drop_implicit_cwd
+from mlscale.common.safe_path import drop_implicit_cwd
 
 drop_implicit_cwd()
 

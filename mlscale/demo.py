@@ -20,9 +20,11 @@ from typing import Any
 import numpy as np
 
 from mlscale import TrainConfig, fit
+from mlscale.bench import serve as bench
 from mlscale.errors import MlscaleError
 from mlscale.export import export_version
 from mlscale.registry import Registry, register_run
+from mlscale.registry.models import task_of
 from mlscale.rundir import RunDir
 from mlscale.train.plot import plot_run
 
@@ -94,9 +96,6 @@ def distinct_rows(rows: np.ndarray, count: int, seed: int = 0) -> np.ndarray:
 def measure_serving(registry: Registry, run_dir: Path, trial_s: float = 1.5) -> dict[str, Any]:
     """Serve the Production model in its own process: the goodput search with the cache off, then the
     cache on its own."""
-    from mlscale.bench import serve as bench
-    from mlscale.registry.models import task_of
-
     uri = f"models:/{MODEL_NAME}/Production"
     held_out = task_of(registry.resolve(uri).config).eval.inputs.numpy()
     args = argparse.Namespace(max_batch_size=64, max_delay_ms=2.0, slo_ms=SLO_MS, duration_s=trial_s,

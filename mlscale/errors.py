@@ -7,7 +7,10 @@ that we can still explain in one paragraph instead of a traceback.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
+
+from mlscale.common.redact import redact_text
 
 
 def first_line(error: object) -> str:
@@ -55,10 +58,6 @@ def describe_validation_error(error: Any, cli_names: dict[str, str] | None = Non
 def report_error(exc: MlscaleError) -> int:
     """An error of mlscale's printed in one line on stderr (every URL in it without its password), as
     every command prints one; returns its exit code."""
-    import sys
-
-    from mlscale.redact import redact_text
-
     prefix = "mlscale: error: " if isinstance(exc, UsageError) else "mlscale: "
     print(f"{prefix}{redact_text(str(exc))}", file=sys.stderr)
     return exc.exit_code

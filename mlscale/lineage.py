@@ -11,6 +11,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils.data import Dataset
 
+from mlscale import __version__
 from mlscale.data.parquet import ParquetData
 from mlscale.data.tensors import TensorData
 
@@ -54,8 +55,6 @@ def _dataset_fingerprint(data: Dataset[Any], digest: Any) -> None:
 
 def code_version(where: str | Path = ".") -> dict[str, str | bool | None]:
     """mlscale's version and, inside a git work tree, its commit and whether it had local changes."""
-    from mlscale import __version__
-
     version: dict[str, str | bool | None] = {"mlscale": __version__, "git_commit": None, "git_dirty": None}
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=where, capture_output=True, text=True, timeout=5)

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mlscale.io import append_jsonl, atomic_write_json, read_jsonl
+from mlscale.common.io import append_jsonl, atomic_write_json, read_jsonl
 
 if TYPE_CHECKING:
     from torch import nn
@@ -36,6 +36,7 @@ class RunDir:
     faults_path = property(lambda self: self.logs / "faults.jsonl")  # injected faults, as they fire
     failures_path = property(lambda self: self.logs / "failures.jsonl")  # one line per worker error
     elastic_logs = property(lambda self: self.logs / "elastic")  # the elastic agent's files
+    warm_starts_path = property(lambda self: self.logs / "warm_starts.jsonl")  # workers a zygote forked
 
     def heartbeat_path(self, attempt: int, rank: int) -> Path:
         """Rank ``rank``'s heartbeat in restart ``attempt`` (its last completed step and the time)."""

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from mlscale.common.io import atomic_write
 from mlscale.errors import MlscaleError
-from mlscale.io import atomic_write
 
 TIED_KEY = "mlscale.tied"  # metadata: JSON list of groups of state-dict names that are one tensor
 

@@ -8,8 +8,8 @@ import json
 import pytest
 
 from mlscale.cli import main
+from mlscale.common.io import append_jsonl, read_jsonl, repair_jsonl
 from mlscale.errors import MlscaleError
-from mlscale.io import append_jsonl, read_jsonl, repair_jsonl
 from mlscale.rundir import RunDir
 
 TORN = b'{"step": 3, "loss": 0.4'

@@ -3,6 +3,7 @@ circle, and the command tree is built without importing what only one sub-comman
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -66,8 +67,7 @@ def _under(name: str, modules: tuple[str, ...]) -> bool:
 
 PARTS = _parts()
 # the bottom layer: small modules every part may use; they import nothing of mlscale but each other
-BOTTOM = {"errors", "io", "rundir", "dtypes", "redact", "safe_path", "lazy", "declarations", "display",
-          "plotting", "faultspec", "weights", "connections", "log_limits"}
+BOTTOM = {"errors", "common", "rundir", "faultspec", "weights"}
 # the top: the command line, the demo and the benchmarks may use any part, and no part uses them
 TOP = {"bench", "demo", "cli"}
 
@@ -139,6 +139,80 @@ def test_the_circle_check_sees_imports_inside_functions_and_relative_ones(tmp_pa
     graph = shape.import_graph(tmp_path, "pkg")
     assert graph["pkg.d"] == set()  # an import for type checking never runs
     assert shape.circles(graph) == [["pkg.a", "pkg.b", "pkg.c"]]
+
+
+# What is slow to import (measured with `python -X importtime -c "import X"` on the 2-core CI machine: each
+# 0.1-5 s; the stdlib modules mlscale uses cost a few ms) or an optional extra: the only third-party modules
+# a function may import rather than its module. A dotted name is a part of torch that costs seconds more
+# than torch itself.
+HEAVY = {
+    "torch", "torch.distributed.pipelining", "torch.distributed.tensor", "torch.distributed.fsdp",
+    "torch.distributed.checkpoint", "torch.distributed.launcher", "torch.utils.tensorboard", "safetensors.torch",
+    "torchft", "transformers", "tokenizers", "jinja2", "onnx", "onnxruntime", "onnxscript", "mlflow",
+    "matplotlib", "pandas", "pyarrow", "duckdb", "redis", "fsspec", "s3fs", "moto", "PIL", "opentelemetry",
+    "numpy", "pydantic", "sqlalchemy", "starlette", "uvicorn", "uvloop", "httpx", "grpc", "prometheus_client",
+    "yaml", "tqdm", "litserve", "fastapi", "playwright",
+}
+# imports inside functions that have another reason: file -> {module: why}
+_HELP = "mlscale --help imports no server module (test_mlscale_help_imports_no_benchmark_no_server_and_no_torch)"
+_LAZY = "a sub-command's module is imported when it runs (LazyParser): mlscale --help builds none of them"
+IMPORTED_IN_FUNCTIONS = {
+    "mlscale/cli/__init__.py": {"mlscale.cli.train": _LAZY},
+    "mlscale/cli/plan.py": {"mlscale.cli.train": _LAZY},
+    "mlscale/cli/models.py": {"mlscale.serve.share": _HELP},
+    "mlscale/cli/rollout.py": {"mlscale.serve.share": _HELP, "mlscale.serve.promotion": _HELP},
+}
+
+
+def _heavy(names: set[str]) -> set[str]:
+    """The entries of HEAVY that importing ``names`` pays for."""
+    return {entry for entry in HEAVY for name in names if name == entry or name.startswith(entry + ".")}
+
+
+def _imports_without_a_reason() -> list[str]:
+    """Every import statement inside a function whose modules bring no heavy package that its own module
+    does not already import when it is imported, as file:line module; and any reason no longer needed."""
+    shape = code_shape()
+    modules, written = shape.module_files(), shape.all_imports()
+    top = shape.top_level_imports(written)
+
+    @functools.cache
+    def brings(module: str) -> frozenset[str]:
+        return frozenset(_heavy(shape.imported_with(module, top) if module in modules else {module}))
+
+    found = []
+    unused = {(file, module) for file, reasons in IMPORTED_IN_FUNCTIONS.items() for module in reasons}
+    for name, path in modules.items():
+        file = str(path.relative_to(REPO))
+        statements: dict[int, list[str]] = {}
+        for i in written[name]:
+            if i.in_function and not i.type_checking:
+                statements.setdefault(i.line, []).append(i.module)
+        for line, names in sorted(statements.items()):
+            unused -= {(file, module) for module in names}
+            if not set().union(*map(brings, names)) - brings(name) and not set(names) & set(
+                    IMPORTED_IN_FUNCTIONS.get(file, {})):
+                found.append(f"{file}:{line} {names[-1]}")
+    return found + [f"{file}: {module} is in IMPORTED_IN_FUNCTIONS but imported in no function"
+                    for file, module in sorted(unused)]
+
+
+def test_every_import_inside_a_function_has_a_reason():
+    """An import goes at the top of its module unless it is of a heavy or optional package (HEAVY) that
+    the module does not import already, or of an mlscale module that brings one; anything else is named
+    with its reason in IMPORTED_IN_FUNCTIONS. Hiding a circle is no reason (the circle test counts
+    imports inside functions)."""
+    found = _imports_without_a_reason()
+    print("\n".join(found))
+    assert found == []
+
+
+def test_the_reason_check_sees_a_light_import_inside_a_function():
+    shape = code_shape()
+    top = shape.top_level_imports(shape.all_imports())
+    assert _heavy(shape.imported_with("mlscale.cli.parsers", top)) == set()  # mlscale --help stays light
+    assert "torch" in _heavy(shape.imported_with("mlscale.train.stages", top))
+    assert _heavy({"torch.distributed.pipelining.schedules"}) == {"torch", "torch.distributed.pipelining"}
 
 
 def test_reading_a_runs_config_the_way_the_registry_does_imports_no_training(tmp_path):

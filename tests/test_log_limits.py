@@ -6,7 +6,7 @@ import logging
 
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from mlscale.log_limits import limit_client_fed_logs
+from mlscale.common.log_limits import limit_client_fed_logs
 
 
 def test_an_over_long_traceparent_by_the_hundred_is_one_line_then_one_with_the_count(caplog):

@@ -85,6 +85,8 @@ def test_every_marked_readme_block_runs_as_written(tmp_path):
     assert "v2 (canary)" in out and "digits v2: every check passed" in out  # the rollout's comparison
     assert "160 samples trained, 160 distinct: each once" in out  # your own data: killed, resumed on 3 workers
     assert "160 of 160 images trained, each once" in out  # your images: the same, with data workers and crops
+    assert re.search(r"\n\[\d+ prompt tokens, \d+ generated\]\n", out)  # generate: streamed through openai
+    assert '"model_name":"storyteller"' in out and '"text_output":' in out  # and the OIP generate
 
 
 def _group(pgid: int) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from mlscale.cli import main
-from mlscale.redact import redact_text, redact_url
+from mlscale.common.redact import redact_text, redact_url
 
 
 @pytest.mark.parametrize(("url", "shown"), [

@@ -21,6 +21,9 @@ import sys
 from typing import Any
 
 import numpy as np
+import orjson
+
+from mlscale.export.session import onnx_session
 
 LITSERVE_SYSTEMS = ("litserve", "litserve-tuned")
 
@@ -42,8 +45,6 @@ def litserve_config(system: str, max_batch_size: int, batch_timeout_s: float) ->
 
 
 def _session(path: str):
-    from mlscale.export.session import onnx_session
-
     return onnx_session(path, threads=1)
 
 
@@ -78,7 +79,6 @@ def run_fastapi(path: str, port: int) -> None:
 
 
 def run_noop(port: int) -> None:
-    import orjson
     import uvicorn
 
     answer = orjson.dumps({"model_name": "noop", "model_version": "1", "outputs": [

@@ -28,8 +28,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mlscale.bench.data_loaders import plot_loaders, plot_tuning, run_loaders
+from mlscale.bench.data_resume import plot_resume, run_resume
 from mlscale.bench.machine import machine_info
 from mlscale.bench.report import pyplot, save_figure, write_results
+from mlscale.cli.parsers import add_out_option, float_above, int_at_least
 
 MODES: dict[str, dict[str, Any]] = {
     "naive": {},
@@ -44,8 +47,6 @@ LOADER_BATCH = 64
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from mlscale.cli.parsers import add_out_option, float_above, int_at_least
-
     add_out_option(p, "data")
     p.add_argument("--suite", choices=("all", *SUITES), default="all",
                    help="what to measure (default all: pipeline, loaders and resume, about 6 minutes on 2 cores): "
@@ -90,6 +91,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--documents", type=int_at_least(100), default=20000, help="text: documents generated (200-2,000 "
                    "characters; default 20000)")
     p.add_argument("--seq-len", type=int_at_least(8), default=512, help="text: tokens a window (default 512)")
+    p.add_argument("--tokenize-workers", type=int_at_least(0), default=0, help="text: the processes that share the "
+                   "tokenizing pass beside the tokenizer's threads (--data-workers N; default 0: one per core)")
     p.add_argument("--no-s3", dest="s3", action="store_false", help="images: skip reading the images from moto's "
                    "S3 server on 127.0.0.1 (first and second epoch)")
 
@@ -170,12 +173,8 @@ def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
         if "pipeline" in suites:
             results["pipeline"] = run_pipeline(args, Path(tmp))
         if "loaders" in suites:
-            from mlscale.bench.data_loaders import run_loaders
-
             results["loaders"] = run_loaders(_with(args, repeats=_repeats(args, "loaders"), batch_size=LOADER_BATCH))
         if "resume" in suites:
-            from mlscale.bench.data_resume import run_resume
-
             results["resume"] = run_resume(_with(args, repeats=_repeats(args, "resume")), Path(tmp))
         if "text" in suites:
             from mlscale.bench.data_text import run_suite as run_text
@@ -212,9 +211,6 @@ def _with(args: argparse.Namespace, **values: Any) -> argparse.Namespace:
 def plot(results: dict[str, Any], path: Path) -> None:
     """One row of panels per suite measured: pipeline (data wait, samples/s), loaders (a panel a Dataset),
     resume (time to first step, and what auto picked and cost)."""
-    from mlscale.bench.data_loaders import plot_loaders, plot_tuning
-    from mlscale.bench.data_resume import plot_resume
-
     rows = [suite for suite in SUITES if suite in results]
     plt = pyplot()
     fig, axes = plt.subplots(len(rows), 2, figsize=(12, 4.4 * len(rows)), squeeze=False)
@@ -235,8 +231,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
         elif suite == "text":
             from mlscale.bench.data_text import plot_text
 
-            plot_text(left, results["text"])
-            right.axis("off")
+            plot_text(left, right, results["text"])
         else:
             plot_resume(left, results["resume"])
             if "loaders" in results:
@@ -283,6 +278,10 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
         rates = ", ".join(f"{name} {rate:,.0f}" for name, rate in text["tokens_per_s"].items())
         print(f"  text tokens/s: {rates}; first epoch {text['first_vs_plain']:.2f}x plain, later "
               f"{text['later_vs_plain']:.2f}x")
+        if "tokenize_pass" in text:
+            passes = ", ".join(f"{name} {rate:,.0f}" for name, rate in text["tokenize_pass"]["tokens_per_s"].items())
+            print(f"  text tokenizing pass tokens/s: {passes} "
+                  f"({text['tokenize_pass']['processes_vs_threads']:.2f}x the threads)")
     images = results.get("images")
     if images:
         rates = ", ".join(f"{name} {rate:,.0f}" for name, rate in images["images_per_s"].items())

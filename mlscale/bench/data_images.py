@@ -24,8 +24,11 @@ from __future__ import annotations
 
 import json
 import math
+import multiprocessing
 import os
 import random
+import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -36,13 +39,15 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from mlscale.bench.data_loaders import anchor_workers
+from mlscale.data.dataset import MapData
+from mlscale.data.images import ImageFolder, write_image_folder
+
 BATCH = 64
 MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
 def make_jpegs(root: Path, count: int, seed: int = 0) -> Path:
-    from mlscale.data.images import write_image_folder
-
     if not (root / ".complete").exists():
         write_image_folder(root, classes=10, per_class=max(1, count // 10), seed=seed, sizes=(128, 256))
         (root / ".complete").touch()
@@ -66,8 +71,6 @@ def _timed(batches: Any, count: int, warmup: int) -> float:
 
 def measure_mlscale(root: str, crop: int, batches: int, warmup: int, workers: int | str = "auto",
                     cache_dir: Path | None = None, cache_mb: int = 0) -> dict[str, Any]:
-    from mlscale.data.dataset import MapData
-    from mlscale.data.images import ImageFolder
     from mlscale.data.pipeline import DatasetLoader, autotune_workers
 
     dataset = ImageFolder(root, crop, seed=0)
@@ -94,8 +97,6 @@ def measure_mlscale(root: str, crop: int, batches: int, warmup: int, workers: in
 def measure_threads(root: str, crop: int, batches: int, warmup: int, threads: int) -> dict[str, Any]:
     """mlscale's loader with ``--data-threads``: the items decoded by threads of this process (Pillow releases
     the GIL while it decodes and resizes)."""
-    from mlscale.data.dataset import MapData
-    from mlscale.data.images import ImageFolder
     from mlscale.data.threads import ThreadLoader
 
     loader = ThreadLoader(MapData(ImageFolder(root, crop, seed=0)), rank=0, world=1, step_batch=BATCH, seed=0,
@@ -208,8 +209,6 @@ _CEILING: dict[str, Any] = {}
 
 def _ceiling_start(root: str, crop: int) -> None:
     """A ceiling process: one core (as a data worker), the images listed once."""
-    from mlscale.data.images import ImageFolder
-
     torch.set_num_threads(1)
     _CEILING["data"] = ImageFolder(root, crop, seed=0)
 
@@ -229,10 +228,6 @@ def _ceiling_ready(_: int) -> int:
 def measure_ceiling(root: str, crop: int, images: int) -> dict[str, Any]:
     """The same decode and augmentation (mlscale's own code, no loader, no batching) in one process per core,
     each on its own share of ``images`` images: what the cores can do."""
-    import multiprocessing
-
-    from mlscale.data.images import ImageFolder
-
     total = min(images, len(ImageFolder(root, crop)))
     processes = cores()
     shares = [list(range(p, total, processes)) for p in range(processes)]
@@ -290,7 +285,6 @@ def rss_at_scale(folder: Path, counts: tuple[int, int], batches: int = 40) -> di
     ``counts[0]`` and ``counts[1]`` images, as WebDataset tar shards of 1,000 and as Parquet files of 1,000 rows
     in row groups of 100: does memory grow with the data set? (A tar index is 20 bytes an image, kept as arrays;
     Parquet's row-group map and labels about as much; a process keeps the row groups it is reading.)"""
-    from mlscale.data.images import write_image_folder
     from mlscale.data.parquet_images import write_parquet_images
     from mlscale.data.shards import write_tar_shards
 
@@ -348,8 +342,6 @@ def s3_epochs(root: Path, crop: int, batches: int, workers: int) -> dict[str, An
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
@@ -357,10 +349,6 @@ def _free_port() -> int:
 
 def run_suite(args: Any, say: Any) -> dict[str, Any]:
     """The images section of ``mlscale bench data``: each system's images/s, medians over repeats."""
-    import statistics
-
-    from mlscale.bench.data_loaders import anchor_workers
-
     with tempfile.TemporaryDirectory(prefix="mlscale-bench-images-") as scratch:
         root = make_jpegs(Path(args.image_dir or scratch) / f"jpegs-{args.images}", args.images)
         systems: dict[str, Any] = {"mlscale auto": lambda: measure_mlscale(str(root), args.crop, args.batches,

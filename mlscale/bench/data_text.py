@@ -9,27 +9,33 @@ byte-level BPE tokenizer trained on it (vocabulary 2,000). Both sides deliver ba
 - mlscale, first epoch: the corpus tokenized once into its memory-mapped token file (``encode_batch``,
   the tokenizer's own threads), then the windows through its loader (``PackedText``, shuffled, with
   position ids and masked seams);
-- mlscale, later epochs: the windows only, from the token file.
+- mlscale, later epochs: the windows only, from the token file;
+- the tokenizing pass alone, into a fresh cache: in the process (the tokenizer's own threads, ``--data-workers
+  0``) and shared by ``--tokenize-workers`` spawned processes (default: one per core; ``--data-workers N``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import random
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from mlscale.bench.data_images import cores
+from mlscale.data.dataset import MapData
+
 BATCH = 64
 
 
 def make_corpus_file(folder: Path, documents: int, seed: int = 0) -> tuple[Path, Path, list[str]]:
-    import random
-
     from mlscale.data.text import train_tokenizer
     from mlscale.tasks.tinylm import make_corpus
 
@@ -65,70 +71,108 @@ def plain_loop(texts: list[str], tokenizer_path: Path, seq_len: int) -> dict[str
     return {"tokens_per_s": tokens / (time.perf_counter() - start), "tokens": tokens}
 
 
-def mlscale_epochs(corpus: Path, tokenizer_path: Path, seq_len: int) -> dict[str, Any]:
-    """The first epoch (tokenizing into the token file, then the windows) and a later one (the windows)."""
-    from mlscale.data.dataset import MapData
-    from mlscale.data.loader import ShardLoader
-    from mlscale.data.text import PackedText, tokenize
-
+@contextlib.contextmanager
+def _token_cache() -> Iterator[None]:
+    """A token cache of its own (``MLSCALE_CACHE_DIR``), so that every measurement tokenizes afresh."""
     with tempfile.TemporaryDirectory(prefix="mlscale-bench-tokens-") as cache:
         saved = os.environ.get("MLSCALE_CACHE_DIR")
         os.environ["MLSCALE_CACHE_DIR"] = cache
         try:
-            start = time.perf_counter()
-            tokens, meta = tokenize(str(corpus), str(tokenizer_path))
-            built = time.perf_counter() - start
-            data = MapData(PackedText(tokens, seq_len, meta["end"]))
-            passes = []
-            for _ in range(2):
-                loader = ShardLoader(data, rank=0, world=1, step_batch=BATCH, seed=0)
-                steps = len(data) // BATCH
-                begin = time.perf_counter()
-                for _ in range(steps):
-                    next(loader)
-                passes.append((steps * BATCH * seq_len, time.perf_counter() - begin))
+            yield
         finally:
             if saved is None:
                 os.environ.pop("MLSCALE_CACHE_DIR", None)
             else:
                 os.environ["MLSCALE_CACHE_DIR"] = saved
+
+
+def mlscale_epochs(corpus: Path, tokenizer_path: Path, seq_len: int) -> dict[str, Any]:
+    """The first epoch (tokenizing into the token file, then the windows) and a later one (the windows)."""
+    from mlscale.data.loader import ShardLoader
+    from mlscale.data.text import PackedText, tokenize
+
+    with _token_cache():
+        start = time.perf_counter()
+        tokens, meta = tokenize(str(corpus), str(tokenizer_path))
+        built = time.perf_counter() - start
+        data = MapData(PackedText(tokens, seq_len, meta["end"]))
+        passes = []
+        for _ in range(2):
+            loader = ShardLoader(data, rank=0, world=1, step_batch=BATCH, seed=0)
+            steps = len(data) // BATCH
+            begin = time.perf_counter()
+            for _ in range(steps):
+                next(loader)
+            passes.append((steps * BATCH * seq_len, time.perf_counter() - begin))
     delivered, seconds = passes[1]
     return {"first_epoch_tokens_per_s": passes[0][0] / (built + passes[0][1]), "tokenize_s": built,
             "later_epoch_tokens_per_s": delivered / seconds, "tokens": int(meta["tokens"])}
 
 
+def tokenize_pass(corpus: Path, tokenizer_path: Path, workers: int) -> dict[str, Any]:
+    """The one-time tokenizing pass alone: in this process (``workers`` 0: the tokenizer's own threads), or
+    shared by ``workers`` spawned processes (``--data-workers``; their start counted)."""
+    from mlscale.data.text import tokenize
+
+    with _token_cache():
+        start = time.perf_counter()
+        _, meta = tokenize(str(corpus), str(tokenizer_path), workers=workers)
+        seconds = time.perf_counter() - start
+    return {"tokens_per_s": meta["tokens"] / seconds, "seconds": seconds, "workers": workers}
+
+
 def run_suite(args: Any, say: Any) -> dict[str, Any]:
+    processes = args.tokenize_workers or cores()
+    passes = {"threads": 0, f"{processes} processes": processes}
     with tempfile.TemporaryDirectory(prefix="mlscale-bench-text-") as scratch:
         corpus, tokenizer, texts = make_corpus_file(Path(scratch), args.documents)
-        runs: dict[str, list[dict[str, Any]]] = {"plain": [], "mlscale": []}
+        systems = {"plain": lambda: plain_loop(texts, tokenizer, args.seq_len),
+                   "mlscale": lambda: mlscale_epochs(corpus, tokenizer, args.seq_len)}
+        for name, workers in passes.items():
+            systems[f"tokenize {name}"] = lambda n=workers: tokenize_pass(corpus, tokenizer, n)
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in systems}
         for repeat in range(args.repeats):
-            order = ["plain", "mlscale"] if repeat % 2 == 0 else ["mlscale", "plain"]
-            for name in order:
-                run = plain_loop(texts, tokenizer, args.seq_len) if name == "plain" else \
-                    mlscale_epochs(corpus, tokenizer, args.seq_len)
+            for name in systems if repeat % 2 == 0 else list(systems)[::-1]:
+                run = systems[name]()
                 runs[name].append(run)
                 say(f"text repeat {repeat + 1}/{args.repeats}  {name:<8} " + ", ".join(
                     f"{key} {value:,.0f}" for key, value in run.items() if key.endswith("per_s")))
     plain = statistics.median(r["tokens_per_s"] for r in runs["plain"])
     first = statistics.median(r["first_epoch_tokens_per_s"] for r in runs["mlscale"])
     later = statistics.median(r["later_epoch_tokens_per_s"] for r in runs["mlscale"])
+    tokenizing = {name: statistics.median(r["tokens_per_s"] for r in runs[f"tokenize {name}"]) for name in passes}
     return {
         "how": (f"{args.documents:,} generated documents of 200-2,000 characters (JSONL), a byte-level BPE "
                 f"tokenizer of 2,000 tokens; batches of {BATCH} windows of {args.seq_len} tokens; plain: encode "
                 "each document, buffer, cut, stack, every epoch; mlscale: tokenized once into its token file "
-                "(encode_batch) then windows through ShardLoader (shuffled, position ids, masked seams); "
-                f"{args.repeats} interleaved repeats, medians"),
+                "(encode_batch) then windows through ShardLoader (shuffled, position ids, masked seams); the "
+                "tokenizing pass alone, into a fresh cache: in the process (the tokenizer's threads, --data-workers "
+                f"0) and shared by {processes} spawned processes of one thread each (--data-workers {processes}, "
+                f"their start counted); {args.repeats} interleaved repeats, medians"),
         "tokens_per_s": {"plain": plain, "mlscale first epoch": first, "mlscale later epochs": later},
-        "first_vs_plain": first / plain, "later_vs_plain": later / plain, "runs": runs,
+        "first_vs_plain": first / plain, "later_vs_plain": later / plain,
+        "tokenize_pass": {"tokens_per_s": tokenizing,
+                          "processes_vs_threads": tokenizing[f"{processes} processes"] / tokenizing["threads"]},
+        "runs": runs,
     }
 
 
-def plot_text(ax: Any, section: dict[str, Any]) -> None:
+def plot_text(left: Any, right: Any, section: dict[str, Any]) -> None:
+    """tokens/s delivered (plain loop, mlscale's first and later epochs), and of the tokenizing pass alone."""
     rates = section["tokens_per_s"]
-    bars = ax.bar(list(rates), list(rates.values()), color=["grey", "tab:blue", "tab:green"])
-    ax.bar_label(bars, fmt="%.0f")
-    ax.set_ylabel("tokens/s")
-    ax.set_title("text: tokenize + pack into windows (medians)", fontsize=9)
+    bars = left.bar(list(rates), list(rates.values()), color=["grey", "tab:blue", "tab:green"])
+    left.bar_label(bars, fmt="%.0f")
+    left.set_ylabel("tokens/s")
+    left.set_title("text: tokenize + pack into windows (medians)", fontsize=9)
+    passes = section.get("tokenize_pass")
+    if not passes:  # results of earlier versions
+        right.axis("off")
+        return
+    bars = right.bar(list(passes["tokens_per_s"]), list(passes["tokens_per_s"].values()),
+                     color=["tab:blue", "tab:purple"])
+    right.bar_label(bars, fmt="%.0f")
+    right.set_ylabel("tokens/s")
+    right.set_title("the tokenizing pass: the tokenizer's threads vs --data-workers processes", fontsize=9)
 
 
-__all__ = ["mlscale_epochs", "plain_loop", "plot_text", "run_suite"]
+__all__ = ["mlscale_epochs", "plain_loop", "plot_text", "run_suite", "tokenize_pass"]

@@ -19,6 +19,7 @@ from typing import Any
 from mlscale.bench.machine import machine_info
 from mlscale.bench.report import pyplot, save_figure, write_results
 from mlscale.cli.parsers import add_out_option, int_at_least, int_list
+from mlscale.export.session import onnx_session
 
 MODELS = {"digits-mlp": "digits", "digits-cnn": "digits-cnn"}
 
@@ -48,7 +49,6 @@ def _time_calls(call: Any, calls: int) -> list[float]:
 def _prepare(scratch: Path) -> dict[str, tuple[Any, Any, Any]]:
     from mlscale import TrainConfig, fit
     from mlscale.export import export_version
-    from mlscale.export.session import onnx_session
     from mlscale.registry import Registry, load_torch_model, register_run
     from mlscale.registry.models import task_of
 

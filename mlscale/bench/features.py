@@ -15,7 +15,9 @@ p50/p99.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -27,6 +29,18 @@ import numpy as np
 
 from mlscale.bench.machine import machine_info
 from mlscale.bench.report import pyplot, save_figure, write_results
+from mlscale.bench.serve import _free_port, _pin_server
+from mlscale.cli.parsers import add_out_option, int_at_least
+from mlscale.features import (
+    Entity,
+    FeatureRepository,
+    FeatureView,
+    Field,
+    FileSource,
+    get_historical_features,
+    load_service,
+)
+from mlscale.features.online import RedisStore, SQLiteStore, get_online_features, materialize
 
 T0 = datetime(2026, 1, 1)
 SPAN_US = 30 * 86_400 * 1_000_000
@@ -34,8 +48,6 @@ VIEWS = (("activity", timedelta(days=7)), ("profile", None), ("risk", None))
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from mlscale.cli.parsers import add_out_option, int_at_least
-
     add_out_option(p, "features")
     p.add_argument("--entity-rows", type=int_at_least(1000), default=10_000_000, help="default 10,000,000")
     p.add_argument("--keys", type=int_at_least(10), default=1_000_000, help="distinct entities (default 1,000,000)")
@@ -49,8 +61,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def _generate(folder: Path, args: argparse.Namespace) -> tuple[Any, Path]:
     import pyarrow as pa
     import pyarrow.parquet as pq
-
-    from mlscale.features import Entity, FeatureRepository, FeatureView, Field, FileSource
 
     rng = np.random.default_rng(0)
     entity = Entity("entity", join_keys=["key"])
@@ -73,8 +83,6 @@ def _generate(folder: Path, args: argparse.Namespace) -> tuple[Any, Path]:
 
 
 def _ours(repository: Any, entities: Path) -> tuple[float, dict[str, np.ndarray]]:
-    from mlscale.features import get_historical_features
-
     start = time.perf_counter()
     table = get_historical_features(repository, entities, [f"{v.name}:{v.features[0]}" for v in repository.views])
     elapsed = time.perf_counter() - start
@@ -105,8 +113,6 @@ def _same(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
 
 
 def _lookups(repository: Any, folder: Path, args: argparse.Namespace) -> dict[str, Any]:
-    from mlscale.features.online import RedisStore, SQLiteStore, get_online_features, materialize
-
     references = [f"{v.name}:{v.features[0]}" for v in repository.views]
     rng = np.random.default_rng(1)
     results = {}
@@ -146,17 +152,11 @@ declare_repository(FeatureRepository([entity], views, [FeatureService("model", v
 def _served_latency(folder: Path, args: argparse.Namespace, requests: int = 1000) -> dict[str, Any]:
     """p50/p99 of one-row requests to one server: naming an entity (features looked up in SQLite) vs
     sending the tensor; sequential, alternating, on a model trained with --features."""
-    import os
-    import subprocess
-
     import httpx
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from mlscale.bench.serve import _free_port, _pin_server
     from mlscale.config import TrainConfig
-    from mlscale.features import load_service
-    from mlscale.features.online import SQLiteStore, materialize
     from mlscale.registry import Registry, register_run
     from mlscale.train.launcher import fit
 

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import http.client
 import json
+import sqlite3
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -252,8 +253,6 @@ def _entity_requests(target: Target, seconds: float) -> dict[str, Any]:
 
 async def locked_feature_log(target: Target, seconds: float, log_path: str = "") -> dict[str, Any]:
     """Another process holds the feature log's write lock while the model served from features is asked."""
-    import sqlite3
-
     await asyncio.to_thread(_entity_requests, target, 0.5)  # the log exists once a vector was written
     await asyncio.sleep(0.5)
     locker = sqlite3.connect(log_path, timeout=5)

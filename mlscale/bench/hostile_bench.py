@@ -11,8 +11,10 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,11 @@ import numpy as np
 
 from mlscale.bench.hostile import ATTACKS, Target, measure
 from mlscale.bench.hostile_readers import READER_ATTACKS, UI_ATTACKS, supervisor_signals, ui_trial
+from mlscale.bench.machine import machine_info
+from mlscale.bench.report import pyplot, save_figure, write_results
+from mlscale.cli.parsers import add_out_option
+from mlscale.features import load_service
+from mlscale.features.online import SQLiteStore, materialize
 
 # the server flags of each attack's trial (slow bodies: with an SLO, as the finding had it)
 TRIAL_FLAGS = {"slow_bodies": ["--slo-ms", "50"]}
@@ -60,14 +67,10 @@ class Scratch:
 def _store_model(scratch: Scratch) -> None:
     """churn: an MLP trained on a feature service's point-in-time training set, its online store
     materialized (the module declaring the service is written into the scratch folder)."""
-    from datetime import datetime, timedelta, timezone
-
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     from mlscale import TrainConfig, fit
-    from mlscale.features import load_service
-    from mlscale.features.online import SQLiteStore, materialize
     from mlscale.registry import Registry, register_run
 
     now = datetime.now(timezone.utc).replace(tzinfo=None)
@@ -92,8 +95,6 @@ def _store_model(scratch: Scratch) -> None:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from mlscale.cli.parsers import add_out_option
-
     add_out_option(p, "hostile")
     p.add_argument("--seconds", type=float, default=12.0, help="how long each attack runs (default 12: past the "
                    "server's default header and body deadlines, 5 and 10 s)")
@@ -136,10 +137,7 @@ def _server(src: Path, registry: str, flags: list[str], path: str = "") -> tuple
 
 
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
-    import tempfile
-
     from mlscale import TrainConfig, fit
-    from mlscale.bench.machine import machine_info
     from mlscale.export import export_version
     from mlscale.registry import Registry, register_run
 
@@ -200,8 +198,6 @@ def _said(trial: dict[str, Any]) -> str:
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
-    from mlscale.bench.report import pyplot, save_figure
-
     plt = pyplot()
     trials = results["trials"]
     attacks = [a for a in trials if all("client_p99_ms" in t for t in trials[a].values())]
@@ -245,8 +241,6 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
-    from mlscale.bench.report import write_results
-
     results = run_benchmark(args)
     json_path, png_path = write_results(args.out, "hostile", results, plot)
     print(f"wrote {json_path} and {png_path}")

@@ -10,6 +10,8 @@ import gc
 import litserve as ls
 import numpy as np
 
+from mlscale.export.session import onnx_session
+
 
 def freeze_gc() -> None:
     """Move everything alive now (imports, the model) out of the garbage collector's reach, as ``mlscale
@@ -26,8 +28,6 @@ class OnnxAPI(ls.LitAPI):
         self.path, self.frozen_gc = path, frozen_gc
 
     def setup(self, device: str) -> None:
-        from mlscale.export.session import onnx_session
-
         self.session = onnx_session(self.path, threads=1)
         if self.frozen_gc:  # the inference worker is spawned, not forked: it freezes its own heap
             freeze_gc()

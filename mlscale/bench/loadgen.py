@@ -28,7 +28,9 @@ import asyncio
 import base64
 import collections
 import contextlib
+import gc
 import json
+import os
 import random
 import sys
 import time
@@ -245,8 +247,6 @@ async def generate(config: dict[str, Any]) -> dict[str, Any]:
 def main() -> None:
     config = json.loads(sys.argv[1] if len(sys.argv) > 1 else sys.stdin.read())
     if config.get("cpu") is not None:
-        import os
-
         os.sched_setaffinity(0, set(config["cpu"]) if isinstance(config["cpu"], list) else {config["cpu"]})
     try:
         import uvloop
@@ -254,7 +254,6 @@ def main() -> None:
         uvloop.install()
     except ImportError:
         pass
-    import gc
 
     gc.disable()  # a collection pause in the client would read as server latency; the run is short
     started = time.time()

@@ -34,6 +34,8 @@ from typing import Any
 
 from mlscale.bench.machine import machine_info
 from mlscale.bench.report import pyplot, save_figure, write_results
+from mlscale.cli.parsers import add_out_option, float_above, int_at_least, name_list
+from mlscale.cli.train import key_value
 from mlscale.errors import MlscaleError, UsageError
 
 MICROBATCHES = (1, 2, 4, 8)
@@ -53,9 +55,6 @@ MEMORY_KEYS = ("params_mb", "grads_mb", "optimizer_mb", "activations_mb")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from mlscale.cli.parsers import add_out_option, float_above, int_at_least, name_list
-    from mlscale.cli.train import key_value
-
     add_out_option(p, "model-parallel")
     p.add_argument("--repeats", type=int_at_least(1), default=3, help="repeats of every configuration (default 3)")
     p.add_argument("--steps", type=int_at_least(6), default=14, help="steps per bubble run (default 14; 4 warm-up)")

@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from mlscale.bench.machine import machine_info
-from mlscale.bench.report import median_bars, pyplot, save_figure, write_results
+from mlscale.bench.report import median_panels, write_results
 from mlscale.cli.parsers import add_out_option, int_at_least
-from mlscale.io import read_jsonl
+from mlscale.common.io import read_jsonl
 from mlscale.rundir import RunDir
 
 MODES = ("restart", "per-step")
@@ -38,15 +38,24 @@ ANCHOR = ("torchft documents no per-step overhead figure that we found (its desi
           "the anchor measured here is plain DDP at the same step time")
 
 
+def add_kill_options(p: argparse.ArgumentParser, *, workers: int, steps: int, kill_step: int, checkpoint_every: int,
+                     fewest_steps: int) -> None:
+    """The options of a benchmark of a job whose worker 1 is killed (here, and ``mlscale bench startup``)."""
+    p.add_argument("--repeats", type=int_at_least(1), default=3, help="repeats of each run (default 3)")
+    p.add_argument("--workers", type=int_at_least(2), default=workers,
+                   help=f"workers / replica groups (default {workers})")
+    p.add_argument("--steps", type=int_at_least(fewest_steps), default=steps,
+                   help=f"training steps per run (default {steps})")
+    p.add_argument("--kill-step", type=int_at_least(2), default=kill_step,
+                   help=f"worker 1 is killed before this step (default {kill_step})")
+    p.add_argument("--checkpoint-every", type=int_at_least(1), default=checkpoint_every,
+                   help=f"every run (default {checkpoint_every})")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_out_option(p, "recovery")
-    p.add_argument("--repeats", type=int_at_least(1), default=3, help="repeats of each run (default 3)")
-    p.add_argument("--workers", type=int_at_least(2), default=3, help="workers / replica groups (default 3)")
-    p.add_argument("--steps", type=int_at_least(10), default=40, help="training steps per run (default 40)")
-    p.add_argument("--kill-step", type=int_at_least(2), default=12, help="worker 1 is killed before this step "
-                   "(default 12)")
+    add_kill_options(p, workers=3, steps=40, kill_step=12, checkpoint_every=10, fewest_steps=10)
     p.add_argument("--compute-ms", type=float, default=500.0, help="simulated compute per step (default 500)")
-    p.add_argument("--checkpoint-every", type=int_at_least(1), default=10, help="both modes (default 10)")
     p.add_argument("--heartbeat-timeout-ms", type=int_at_least(50), default=300,
                    help="per-step: how long the lighthouse waits for a silent replica (default 300)")
 
@@ -151,14 +160,9 @@ PANELS = (("lost_s", "survivors' lost time per failure (s)"), ("rejoin_s", "repl
 
 
 def plot(results: dict[str, Any], path: Path) -> None:
-    plt = pyplot()
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(4 * len(PANELS), 4))
-    for ax, (key, label) in zip(axes, PANELS):
-        median_bars(ax, MODES, [[r[key] for r in results["runs"][mode]] for mode in MODES])
-        ax.set_title(label, fontsize=10)
-    fig.suptitle(f"One SIGKILL in a {results['workers']}-worker run: restart-all vs per-step "
-                 f"(no-failure overhead {results['per_step_overhead_vs_ddp']:+.1%} vs DDP)")
-    save_figure(fig, path)
+    median_panels({mode: results["runs"][mode] for mode in MODES}, PANELS,
+                  f"One SIGKILL in a {results['workers']}-worker run: restart-all vs per-step "
+                  f"(no-failure overhead {results['per_step_overhead_vs_ddp']:+.1%} vs DDP)", path)
 
 
 def run_from_args(args: argparse.Namespace) -> dict[str, Any]:

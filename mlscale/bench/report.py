@@ -8,9 +8,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from mlscale.plotting import pyplot, save_figure
+from mlscale.common.plotting import pyplot, save_figure
 
-__all__ = ["median_bars", "pyplot", "save_figure", "write_results"]
+__all__ = ["median_bars", "median_panels", "pyplot", "save_figure", "write_results"]
 
 
 def write_results(out: str | Path, name: str, results: dict[str, Any],
@@ -37,3 +37,16 @@ def median_bars(ax: Any, names: Sequence[str], values: Sequence[Sequence[float]]
         else:  # no bar to write in
             ax.text(i, 0, text, ha="center", va="bottom", fontweight="bold")
     return medians
+
+
+def median_panels(runs: dict[str, list[dict[str, Any]]], panels: Sequence[tuple[str, str]], title: str,
+                  path: Path, width: float = 4) -> None:
+    """The usual figure of a side-by-side benchmark: one panel per ``(key, label)`` of ``panels``, in
+    each a median bar per mode of ``runs`` (mode -> its repeats' rows, in the order to draw)."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=(width * len(panels), 4))
+    for ax, (key, label) in zip(axes, panels):
+        median_bars(ax, list(runs), [[row[key] for row in rows] for rows in runs.values()])
+        ax.set_title(label, fontsize=10)
+    fig.suptitle(title)
+    save_figure(fig, path)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
+import http.client
 import itertools
 import json
 import os
@@ -37,6 +38,7 @@ from mlscale.bench.machine import machine_info
 from mlscale.bench.report import pyplot, save_figure, write_results
 from mlscale.cli.parsers import add_out_option, float_above, int_at_least, name_list
 from mlscale.errors import UsageError
+from mlscale.export.session import onnx_session
 
 SERVER_CPU, LOADGEN_CPU = 0, 1
 # Persistent connections the load generator opens before a trial, and the most it keeps (past them a
@@ -270,8 +272,6 @@ def _post(conn: Any, server: Server, body: str) -> int:
 
 
 def _wait_ready(server: Server, timeout: float = 120) -> None:
-    import http.client
-
     deadline = time.time() + timeout
     while time.time() < deadline:
         if server.process.poll() is not None:
@@ -306,8 +306,6 @@ def wait_drained(server: Server, timeout: float = 120.0, in_a_row: int = 3) -> f
     repeated probe ahead of the queue; the cache check starts a fresh server for every trial). Raises
     ``RuntimeError`` if the server exits or is not drained within ``timeout``: a trial then would not
     measure what it claims."""
-    import http.client
-
     limit, start, good = 2 * server.idle_s + 0.002, time.perf_counter(), 0
     deadline = start + timeout
     conn = None
@@ -381,8 +379,6 @@ def find_goodput(server: Server, args: argparse.Namespace, log: Any) -> tuple[fl
 
 def offline_ceiling(onnx_path: str, rows: np.ndarray, batch: int, seconds: float = 2.0) -> float:
     """Items/s of onnxruntime alone on one thread and one core, fixed batches, no HTTP: the upper bound."""
-    from mlscale.export.session import onnx_session
-
     previous = os.sched_getaffinity(0)
     _pin_server()
     try:

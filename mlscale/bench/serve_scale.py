@@ -25,8 +25,12 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import os
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -91,8 +95,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def layout(loadgen_cpus: int | None) -> tuple[list[int], list[int]]:
     """(server cores, load generator cores) of this process's cores."""
-    import os
-
     cores = sorted(os.sched_getaffinity(0))
     keep = loadgen_cpus or max(1, len(cores) // 4)
     if keep >= len(cores):
@@ -120,10 +122,6 @@ def start_mlserver(model: dict[str, Any], args: argparse.Namespace, cpus: set[in
                    folder: Path) -> base.Server:
     """MLServer serving the ONNX file through ``MLSERVER_RUNTIME`` with ``settings``: ``parallel_workers``
     and ``batching`` (adaptive batching at mlscale's batch size and delay, or none)."""
-    import os
-    import shutil
-    import subprocess
-
     shutil.rmtree(folder, ignore_errors=True)
     name = model["uri"].split("/")[1]
     (folder / name).mkdir(parents=True)
@@ -250,9 +248,6 @@ def canary_split(model: dict[str, Any], canary_uri: str, args: argparse.Namespac
 
 
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
-    import os
-    import tempfile
-
     from mlscale.export import export_version
     from mlscale.registry import Registry, register_run
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mlscale.bench import train_comm, train_stragglers
 from mlscale.bench.machine import machine_info
 from mlscale.bench.report import pyplot, save_figure, write_results
 from mlscale.cli.parsers import add_out_option, int_at_least, int_list
@@ -25,8 +27,6 @@ WARMUP = 5
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from mlscale.bench import train_stragglers
-
     add_out_option(p, "train")
     p.add_argument("--scenario", choices=("anchor", "straggler", "comm"), default="anchor",
                    help="anchor (default): our trainer vs a plain DDP loop; straggler: ddp and the parameter "
@@ -74,8 +74,6 @@ def run_plain(task: dict[str, Any], workers: int, steps: int, batch: int, scratc
 
 
 def _launch_env() -> dict[str, str]:
-    import os
-
     return {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
 
 
@@ -140,12 +138,8 @@ def run_from_args(args: argparse.Namespace) -> dict[str, Any]:
     args.repeats = args.repeats or (5 if args.scenario == "anchor" else 3)
     args.steps = args.steps or {"anchor": 300, "straggler": 80, "comm": 100}[args.scenario]
     if args.scenario == "comm":
-        from mlscale.bench import train_comm
-
         return train_comm.run_from_args(args)
     if straggler:
-        from mlscale.bench import train_stragglers
-
         return train_stragglers.run_from_args(args)
     results = run_benchmark(args)
     json_path, png_path = write_results(args.out, "train", results, plot)

@@ -22,6 +22,7 @@ from typing import Any
 
 from mlscale.bench.machine import machine_info
 from mlscale.bench.report import pyplot, save_figure, write_results
+from mlscale.cli.parsers import float_above, int_at_least, name_list
 from mlscale.rundir import RunDir
 
 MODES: dict[str, list[str]] = {
@@ -39,8 +40,6 @@ SCENARIOS = ("none", "persistent", "transient")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from mlscale.cli.parsers import float_above, int_at_least, name_list
-
     group = p.add_argument_group("straggler scenario (--scenario straggler)")
     group.add_argument("--tasks", type=name_list(TASKS), default=list(TASKS),
                        help=f"tasks, comma-separated (default {','.join(TASKS)})")

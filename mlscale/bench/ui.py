@@ -18,6 +18,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -146,8 +147,6 @@ def _api_ms(url: str) -> tuple[float, int]:
 
 
 def run_benchmark(args: argparse.Namespace) -> dict[str, Any]:
-    import tempfile
-
     from playwright.sync_api import sync_playwright
 
     scratch = Path(args.scratch or tempfile.mkdtemp(prefix="mlscale-bench-ui-"))

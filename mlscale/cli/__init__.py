@@ -6,9 +6,11 @@ Exit codes: 0 success, 2 bad usage or configuration (one line naming the bad val
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 import traceback
 
+from mlscale import __version__
 from mlscale.cli.features import add_features
 from mlscale.cli.k8s import add_k8s
 from mlscale.cli.models import add_export, add_models
@@ -16,6 +18,7 @@ from mlscale.cli.parsers import LazyParser
 from mlscale.cli.plan import add_plan
 from mlscale.cli.serve import add_serve
 from mlscale.cli.ui import add_ui
+from mlscale.common.redact import redact_text
 from mlscale.errors import MlscaleError, report_error
 
 TRAIN_EXAMPLES = """examples:
@@ -52,12 +55,17 @@ BENCHMARKS = {
              "batches/s, mlscale's loaders vs a plain DataLoader; a mid-epoch resume's time to first step vs fresh"),
     "checkpoint": ("mlscale.bench.checkpoint", "training stall of checkpointing, blocking vs async"),
     "recovery": ("mlscale.bench.recovery", "one failure: restart-all vs per-step fault tolerance (torchft)"),
+    "startup": ("mlscale.bench.startup", "workers started cold vs warm (forked by a zygote): time to the first "
+                "step and a restart's downtime"),
     "export": ("mlscale.bench.export", "inference latency, onnxruntime vs eager torch, digits models"),
     "serve": ("mlscale.bench.serve", "serving goodput at an SLO vs LitServe, FastAPI and offline"),
     "serve-scale": ("mlscale.bench.serve_scale", "serving goodput by workers per host vs LitServe; a shadow's "
                     "cost to p99; a canary's split"),
     "serve-lengths": ("mlscale.bench.serve_lengths", "requests of different sequence lengths (BERT): padded to the "
                       "batch's longest vs grouped by length vs no batching"),
+    "generate": ("mlscale.bench.generate", "text generation under Poisson load (TTFT, TPOT, ITL, goodput): "
+                 "continuous batching vs static batching, generate alone and transformers' continuous batching; "
+                 "prefix caching's TTFT"),
     "features": ("mlscale.bench.features", "point-in-time retrieval vs pandas merge_asof; SQLite and Redis lookups"),
     "ui": ("mlscale.bench.ui", "mlscale ui's page load for a run of 100,000 steps on 64 ranks, cold and warm"),
     "hostile": ("mlscale.bench.hostile_bench", "a normal client's p99 and the server's memory under slow, idle and "
@@ -75,15 +83,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def _bench(module: str, args: argparse.Namespace) -> int:
-    import importlib
-
     importlib.import_module(module).run_from_args(args)
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from mlscale import __version__
-
     parser = LazyParser(prog="mlscale", description="Scale a PyTorch model from one worker to many, then serve it.",
                         epilog="Exit codes: 0 success, 2 bad usage (one line naming the value), 1 anything else.")
     parser.add_argument("--version", action="version", version=f"mlscale {__version__}")
@@ -111,8 +115,6 @@ def run() -> None:
     except SystemExit as exc:  # argparse, --help, --version
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:
-        from mlscale.redact import redact_text
-
         print(redact_text(traceback.format_exc()), end="", file=sys.stderr)  # a URL in it keeps no password
         code = 1
     if "mlscale.train.dist" in sys.modules and sys.modules["mlscale.train.dist"].owns_process_group():
@@ -139,7 +141,6 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:  # named by the sub-command they were given to, as argparse would inside it
         words = [getattr(args, key, None) for key in ("command", "action", "what")]
         prog = " ".join(["mlscale", *(word for word in words if word)])
-        from mlscale.redact import redact_text
 
         parser.exit(2, f"{prog}: error: unrecognized arguments: {redact_text(' '.join(unknown))} "
                     f"(see {prog} --help)\n")

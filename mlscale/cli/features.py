@@ -8,6 +8,7 @@ import json
 import re
 import sys
 import time
+from pathlib import Path
 
 from mlscale.cli.models import add_registry_option
 from mlscale.errors import UsageError
@@ -43,8 +44,6 @@ def add_features(sub: argparse._SubParsersAction) -> None:
 
 
 def _skew(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from mlscale.features.skew import FeatureLog, FeatureSkew
     from mlscale.registry import Registry
 

@@ -11,6 +11,9 @@ import sys
 import textwrap
 
 from mlscale.cli.models import add_registry_option
+from mlscale.cli.parsers import Parser
+from mlscale.cli.serve import add_serve_arguments as add_serve_command_arguments
+from mlscale.cli.serve import options_from_args
 from mlscale.errors import UsageError
 
 TRAIN_DESCRIPTION = textwrap.fill(
@@ -139,13 +142,11 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 def _checked_serve_args(uri: str, serve_args: list[str]) -> list[str]:
     """The flags after --, checked as `mlscale serve` checks them (its parser, then its options model),
     so a bad one exits 2 here and not in the pods."""
-    from mlscale.cli.parsers import Parser
-    from mlscale.cli.serve import add_serve_arguments, options_from_args
     from mlscale.deploy.serving import refuse_credentials
 
     refuse_credentials(tuple(serve_args))  # first: nothing below may echo a password
     parser = Parser(prog="mlscale serve", add_help=False)  # --help here would render nothing and exit 0
-    add_serve_arguments(parser)
+    add_serve_command_arguments(parser)
     parsed = parser.parse_args([uri, *serve_args])
     if len(parsed.uris) > 1:
         raise UsageError(f"bad value {parsed.uris[1]!r} after --: one model URI per Deployment")

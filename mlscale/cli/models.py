@@ -8,7 +8,8 @@ from typing import Any
 
 from mlscale.cli.parsers import int_at_least
 from mlscale.cli.rollout import add_rollout_commands
-from mlscale.display import as_json, pairs, table
+from mlscale.common.display import as_json, pairs, table
+from mlscale.errors import UsageError
 
 
 def _registry(args: argparse.Namespace, create: bool = False) -> Any:
@@ -49,6 +50,11 @@ def add_models(sub: argparse._SubParsersAction) -> None:
     reg.add_argument("--name", required=True, help="registered model name")
     reg.add_argument("--description", default="")
     reg.add_argument("--tag", action="append", type=_key_value, default=[], metavar="KEY=VALUE")
+    reg.add_argument("--tokenizer", metavar="FILE", help="a language model's Hugging Face tokenizers file "
+                     "(tokenizer.json): the server then takes and returns text")
+    reg.add_argument("--generation-config", metavar="FILE", help="a language model's generation defaults "
+                     "(generation_config.json: max_new_tokens, temperature, top_p, top_k, eos_token_id, stop) "
+                     "and chat template (chat_template, as in tokenizer_config.json)")
     reg.set_defaults(handler=_register)
     stage = _common(msub.add_parser("stage", help="move a version to None, Staging, Production or Archived"))
     stage.add_argument("name")
@@ -146,7 +152,7 @@ def _show(args: argparse.Namespace) -> int:
         if args.json:
             print(as_json({**version.as_dict(), "source_run_state": version.source_run_state()}))
         else:
-            print(_lineage(version))
+            print(_lineage(registry, version))
         return 0
     versions, history = registry.versions(args.target), registry.history(args.target)
     if args.json:
@@ -162,7 +168,7 @@ def _show(args: argparse.Namespace) -> int:
     return 0
 
 
-def _lineage(version: Any) -> str:
+def _lineage(registry: Any, version: Any) -> str:
     config, code = version.config, version.code_version
     signature = version.signature
     sig = " -> ".join(", ".join(f"{t['name']} {t['datatype']} {t['shape']}" for t in signature[side])
@@ -189,9 +195,19 @@ def _lineage(version: Any) -> str:
                  + (f", git {git[:12]}{' (with local changes)' if code.get('git_dirty') else ''}" if git else "")),
         ("signature", sig),
         ("artifacts", "\n".ljust(14).join(artifacts)),
+        ("generation", _generation_text(registry, version)),
         ("tags", ", ".join(f"{k}={v}" for k, v in version.tags.items()) or "-"),
     ]
     return pairs(rows)
+
+
+def _generation_text(registry: Any, version: Any) -> str:
+    """A language model's tokenizer, chat template and defaults, when it registered any."""
+    from mlscale.registry.generation import GENERATION_ARTIFACT, TOKENIZER_ARTIFACT, read_generation
+
+    if not {TOKENIZER_ARTIFACT, GENERATION_ARTIFACT} & set(version.artifacts):
+        return "-"
+    return read_generation(registry, version).summary()
 
 
 def _features_text(features: dict[str, Any] | None) -> str:
@@ -211,7 +227,7 @@ def _register(args: argparse.Namespace) -> int:
     from mlscale.registry import register_run
 
     version = register_run(_registry(args, create=True), args.run_dir, args.name, description=args.description,
-                           tags=dict(args.tag))
+                           tags=dict(args.tag), tokenizer=args.tokenizer, generation_config=args.generation_config)
     return _print_version(version, args.json)
 
 
@@ -231,7 +247,6 @@ def _unalias(args: argparse.Namespace) -> int:
 
 
 def _tag(args: argparse.Namespace) -> int:
-    from mlscale.errors import UsageError
     from mlscale.serve.share import SHARE_TAG, canary_share
 
     key, value = args.tag
@@ -265,8 +280,6 @@ def _mirror(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from mlscale.errors import UsageError
-
     if args.format == "hf":
         return _export_hf(args)
     if args.directory is not None:
@@ -289,7 +302,6 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _export_hf(args: argparse.Namespace) -> int:
-    from mlscale.errors import UsageError
     from mlscale.export.hf import export_hf
 
     if args.directory is None:

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
+
+from mlscale.common.redact import redact_text
 
 
 class Parser(argparse.ArgumentParser):
@@ -36,8 +39,6 @@ class Parser(argparse.ArgumentParser):
             self._intermixed = True
 
     def error(self, message: str) -> NoReturn:
-        from mlscale.redact import redact_text
-
         # argparse quotes the bad value, which may be a URL with a password
         self.exit(2, f"{self.prog}: error: {redact_text(message)} (see {self.prog} --help)\n")
 
@@ -103,8 +104,6 @@ def int_list(minimum: int = 1) -> Callable[[str], list[int]]:
 def add_out_option(p: argparse.ArgumentParser, name: str) -> None:
     """``--out`` of a benchmark: by default a new folder under ``runs/``, so a run never overwrites the
     committed results in ``bench/results/`` unless asked to (``--out bench/results/NAME``)."""
-    import time
-
     default = f"runs/bench-{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     p.add_argument("--out", default=default, metavar="DIR",
                    help=f"folder for {name}.json and {name}.png (default: a new runs/bench-{name}-TIME; the "

@@ -19,7 +19,7 @@ import argparse
 import json
 from typing import Any
 
-from mlscale.display import as_json, table
+from mlscale.common.display import as_json, table
 
 PLAN_EXAMPLES = """examples:
   mlscale plan --task tinylm --batch-size 32
@@ -114,7 +114,7 @@ def describe(plan: dict[str, Any]) -> str:
              f"{plan['optimizer']}, precision {plan['precision']}; layouts of {plan['workers']} processes{device}",
              "MB per rank (rank 0, under fsdp the largest shard; a pipeline's largest stage), as report.json's "
              "memory counts them:", "", table(headers, rows)]
-    if any(layout["strategy"] == "pipeline" and not layout["refused"] for layout in plan["layouts"]):
+    if any(layout["stages"] > 1 and not layout["refused"] for layout in plan["layouts"]):  # a pipeline planned
         lines += ["", f"pipeline: microbatches of {plan['batch_size'] // plan['microbatches']} samples, "
                   f"{plan['schedule']} (activations of the microbatches in flight: estimated from the unsplit model; "
                   "no activation checkpointing)"]

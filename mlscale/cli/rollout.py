@@ -7,9 +7,10 @@ command runs so that ``mlscale --help`` loads nothing of the server; this module
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from mlscale.display import as_json, table
+from mlscale.common.display import as_json, table
 
 if TYPE_CHECKING:
     from mlscale.serve.promotion import Thresholds
@@ -88,8 +89,6 @@ def _canary(args: argparse.Namespace) -> int:
 
 def _thresholds(args: argparse.Namespace) -> Thresholds:
     """Each flag is the threshold of its name (--min-requests is ``min_requests``)."""
-    import dataclasses
-
     from mlscale.serve.promotion import Thresholds
 
     return Thresholds(**{field.name: getattr(args, field.name) for field in dataclasses.fields(Thresholds)})

@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 import types
 import typing
 from typing import TYPE_CHECKING, Any
 
 from mlscale.cli.models import add_registry_option
+from mlscale.errors import UsageError
 
 if TYPE_CHECKING:
     from mlscale.serve.options import ServeOptions
@@ -99,8 +101,6 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
 def options_from_args(args: argparse.Namespace) -> ServeOptions:
     """The validated options of the parsed flags (a bad value is a one-line UsageError)."""
-    import os
-
     from mlscale.serve.options import ServeOptions, serve_options
 
     values = {name: getattr(args, name, None) for name in ServeOptions.model_fields}
@@ -117,8 +117,6 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
 def _route_secret(secret: str | None) -> str | None:
     """The environment's route secret (None: a random one for this server), refused when short without
     echoing it, as a validation error would."""
-    from mlscale.errors import UsageError
-
     if secret is not None and len(secret) < 16:
         raise UsageError(f"${ROUTE_SECRET_ENV} has {len(secret)} characters: give at least 16 (random ones)")
     return secret

@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import typing
 from pathlib import Path
 from typing import Any
 
-from mlscale.display import as_json
+from mlscale.cli.models import add_registry_option
+from mlscale.common.display import as_json
+from mlscale.train.plot import plot_run
 
 # at the package's root, not beside this module: the Makefile, the docs and the flag test name it there
 FLAGS_PATH = Path(__file__).parents[1] / "train_flags.json"
@@ -55,8 +58,6 @@ def _help(text: str, default: Any, only: dict[str, Any]) -> str:
 
 def _kind(annotation: Any, default: Any) -> dict[str, Any]:
     """How argparse reads the flag: its kind and, for a fixed set of words, the choices."""
-    import typing
-
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if annotation is bool:
         return {"kind": "switch_off" if default else "switch_on"}
@@ -167,7 +168,6 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    "exit 0, or 2 naming what is wrong (what a Kubernetes Job's check container runs)")
     p.add_argument("--no-plot", action="store_false", dest="plot",
                    help="do not draw RUN_DIR/plots/training.png at the end (drawn when matplotlib is installed)")
-    from mlscale.cli.models import add_registry_option
 
     add_registry_option(p)
 
@@ -221,7 +221,6 @@ def _plot(run_dir: str) -> str | None:
         import matplotlib  # noqa: F401
     except ImportError:
         return None
-    from mlscale.train.plot import plot_run
 
     return str(plot_run(run_dir))
 

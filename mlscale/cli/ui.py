@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from mlscale.cli.models import add_registry_option
+
 UI_EXAMPLES = """examples:
   mlscale ui                                   # ./runs and ./mlscale-registry on http://127.0.0.1:8080
   mlscale ui --runs /shared/runs --registry postgresql://mlscale@db/registry --server http://10.0.0.5:8000
@@ -30,7 +32,6 @@ def add_ui(sub: argparse._SubParsersAction) -> None:
 
 
 def add_ui_arguments(p: argparse.ArgumentParser) -> None:
-    from mlscale.cli.models import add_registry_option
     from mlscale.ui.app import TOKEN_ENV
 
     p.add_argument("--runs", metavar="DIR", default=None,

@@ -43,9 +43,9 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from mlscale.common.io import atomic_write_json
 from mlscale.data.storage import ObjectCache, Store, is_remote
 from mlscale.errors import UsageError
-from mlscale.io import atomic_write_json
 
 EXTENSIONS = (".jpg", ".jpeg", ".png")
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)

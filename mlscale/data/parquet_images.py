@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mlscale.data.images import IMAGENET_MEAN, IMAGENET_STD, AugmentedImages
+from mlscale.data.images import IMAGENET_MEAN, IMAGENET_STD, AugmentedImages, Listing
 from mlscale.data.parquet import _pyarrow
 from mlscale.data.shards import shard_paths
 from mlscale.data.storage import is_remote, with_retries
@@ -163,8 +163,6 @@ def write_parquet_images(folder: str | Path, out: str | Path, per_file: int = 20
     """An image folder (``root/CLASS/IMAGE``) written as Parquet files of ``per_file`` rows in row groups of
     ``per_group``: an ``image`` column of the files' bytes and a ``label`` column. For tests and benchmarks."""
     import pyarrow as pa
-
-    from mlscale.data.images import Listing
 
     pq = _pyarrow()
     listing = Listing.of(Path(folder))

@@ -26,15 +26,16 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, default_collate
 
+from mlscale.common.io import atomic_write_json
+from mlscale.data.batch_buffers import BatchBuffers
 from mlscale.data.dataset import CollateIndexed, Items, MapData, SampleError, message_of, span
 from mlscale.data.item_cache import make_item_cache
 from mlscale.data.loader import Position, check_a_batch_fits, drop_bad
 from mlscale.data.sampler import sample_shards, shard_indices
 from mlscale.data.tensors import TensorData
 from mlscale.errors import UsageError, first_line
-from mlscale.io import atomic_write_json
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
 CacheKind = Literal["none", "memory", "disk"]
@@ -169,14 +170,20 @@ class _Batches:
 class StreamLoader:
     """Yields ``(inputs, targets)`` batches of a data set in a batch plan's order from ``workers``
     DataLoader processes (0: in this process) that prefetch ``prefetch`` batches each; ``position`` is
-    the one after the batch last returned."""
+    the one after the batch last returned. The workers stack batches into shared-memory segments they reuse
+    once the batch last there is no longer held (``batch_buffers``; ``batch_buffers=False``: a fresh segment
+    every batch, as torch does)."""
 
     def __init__(self, dataset: Dataset[Any], batches: BatchPlan, position: Position, *, workers: int,
-                 prefetch: int, pin_memory: bool, collate_fn: Callable[[Any], Any] | None = None) -> None:
+                 prefetch: int, pin_memory: bool, collate_fn: Callable[[Any], Any] | None = None,
+                 batch_buffers: bool = True) -> None:
         self.position, self.workers, self._batches = position, workers, batches
         self.last_ids: torch.Tensor | None = None  # the data set indices of the batch last returned, if known
         self.last_bad: list[dict[str, Any]] = []  # samples left out of it (--bad-samples skip)
         self.samples = dataset
+        self.buffers = BatchBuffers(workers, prefetch) if workers and batch_buffers else None
+        if self.buffers is not None:
+            collate_fn = self.buffers.collate(collate_fn or default_collate)
         self._loader = DataLoader(dataset, batch_sampler=batches, num_workers=workers,  # type: ignore[arg-type]
                                   prefetch_factor=prefetch if workers else None, persistent_workers=workers > 0,
                                   pin_memory=pin_memory, collate_fn=collate_fn)
@@ -199,6 +206,9 @@ class StreamLoader:
                 f" while reading one of samples {span(reading)}" if reading else \
                 f" while loading samples {span(ids[0].tolist())}" if ids else ""
             raise SampleError(f"a data-loading worker process died{samples}: {first_line(exc)}") from None
+        if self.buffers is not None:
+            batch, slots = batch
+            self.buffers.hold(batch, slots)
         inputs, targets, *bad = batch  # a third element: the samples left out (--bad-samples skip)
         self.last_bad = bad[0] if bad else []
         self.position = self._batches.positions.popleft()  # batches come back in the sampler's order
@@ -240,7 +250,7 @@ class DatasetLoader(StreamLoader):
     def __init__(self, data: MapData, *, rank: int, world: int, step_batch: int, seed: int,
                  position: Position | None = None, workers: int = 0, prefetch: int = 2,
                  transform: Transform | None = None, cache: CacheKind = "none", cache_dir: Path | None = None,
-                 cache_key: str = "", pin_memory: bool = False) -> None:
+                 cache_key: str = "", pin_memory: bool = False, batch_buffers: bool = True) -> None:
         check_a_batch_fits(len(data), world, step_batch)
         position = position or Position()
         if cache != "none" and data.per_epoch:
@@ -251,7 +261,7 @@ class DatasetLoader(StreamLoader):
                            shards=sample_shards(data))
         super().__init__(Items(data, self.cache), batches,
                          position, workers=workers, prefetch=prefetch, pin_memory=pin_memory,
-                         collate_fn=CollateIndexed(data))
+                         collate_fn=CollateIndexed(data), batch_buffers=batch_buffers)
 
     def close(self) -> None:
         super().close()

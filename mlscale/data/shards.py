@@ -31,7 +31,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
-from mlscale.data.images import IMAGENET_MEAN, IMAGENET_STD, AugmentedImages
+from mlscale.data.images import IMAGENET_MEAN, IMAGENET_STD, AugmentedImages, Listing
 from mlscale.data.storage import ObjectCache, is_remote, with_retries
 from mlscale.errors import UsageError
 
@@ -254,8 +254,6 @@ class TarShards(AugmentedImages):
 def write_tar_shards(folder: str | Path, out: str | Path, per_shard: int = 100) -> list[Path]:
     """An image folder (``root/CLASS/IMAGE``) written as WebDataset tar shards of ``per_shard`` samples:
     ``NAME.jpg`` + ``NAME.cls``. For tests, demos and benchmarks."""
-    from mlscale.data.images import Listing
-
     listing = Listing.of(Path(folder))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,7 @@ files under a temporary name and renames them, so a reader never takes a partial
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
 import tempfile
@@ -150,8 +151,6 @@ class ObjectCache:
     def local_copy(self, url: str, fetch: Callable[[str], None]) -> Path:
         """The path of ``url``'s local copy, made by ``fetch(temporary_path)`` when there is none. The
         processes of a host take turns (a lock a URL), so an object is fetched once, not once per worker."""
-        import fcntl
-
         path = self._path(url)
         with open(path.with_suffix(".lock"), "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)

@@ -2,13 +2,16 @@
 Face ``tokenizers`` file, packed into fixed-length windows that keep documents apart.
 
 *Documents:* a JSONL line's ``text`` field, a Parquet row's ``text`` column, or a whole ``.txt``/``.md`` file;
-a path is a file, a folder of such files (sorted) or an fsspec URL of either.
+a path is a file, a folder of such files (sorted) or an fsspec URL of either (read and encoded by
+``mlscale.data.tokens``, which a tokenizing process imports without torch).
 
 *Tokens, once:* every document is encoded (``Tokenizer.encode_batch``, in the tokenizer's own threads, 1,000
 documents at a time, so memory holds one chunk) and followed by the end-of-document token; the ids go to one
 file of int32 (``tokens.bin``) in a folder named by what made it (the files' names, sizes and modification
 times, the tokenizer file's bytes): a later run, or another rank, memory-maps it instead of tokenizing
-again. Made under a temporary name and renamed, so a reader never maps half of one.
+again. Made under a temporary name and renamed, so a reader never maps half of one. With ``--data-workers N``
+the pass is shared by N spawned processes (a contiguous range of the documents each, counted first without
+parsing them, into part files joined in order): the same bytes, the same cache.
 
 *Packing:* window ``i`` is tokens ``[i * seq_len, (i + 1) * seq_len + 1)``: the model reads the first
 ``seq_len`` (``input_ids``) and predicts each next one (the target). A document may begin inside a window:
@@ -23,8 +26,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing
 import os
-from collections.abc import Iterator
+import shutil
+import sys
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -32,61 +38,19 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from mlscale.data.storage import is_remote
+from mlscale.common.io import atomic_write, atomic_write_json
+from mlscale.data.tokens import (
+    count_documents,
+    documents,
+    encode,
+    encode_part,
+    end_of_document,
+    load_tokenizer,
+    source_files,
+)
 from mlscale.errors import UsageError
-from mlscale.io import atomic_write, atomic_write_json
 
-TEXT_SUFFIXES = (".jsonl", ".parquet", ".txt", ".md")
 IGNORED = -100  # the target cross_entropy ignores
-CHUNK = 1000  # documents encoded at a time
-
-
-def source_files(path: str) -> list[str]:
-    """The files of ``path`` (a file, or a folder's text files sorted), local or fsspec URLs."""
-    import fsspec
-
-    fs, root = fsspec.core.url_to_fs(path)
-    try:
-        if fs.isdir(root):
-            found = sorted(p for p in fs.find(root) if p.lower().endswith(TEXT_SUFFIXES))
-        elif fs.exists(root):
-            found = [root]
-        else:
-            found = []
-    except (OSError, PermissionError) as exc:
-        raise UsageError(f"bad value path={path!r}: cannot read it ({type(exc).__name__}: {exc})") from None
-    if not found:
-        raise UsageError(f"bad value path={path!r}: no {', '.join(TEXT_SUFFIXES)} files there")
-    protocol = path.split("://")[0] + "://" if is_remote(path) else ""
-    return [protocol + p if protocol and not p.startswith(protocol) else p for p in found]
-
-
-def documents(files: list[str], text_field: str = "text") -> Iterator[str]:
-    """Each document of ``files`` in order."""
-    import fsspec
-
-    for name in files:
-        lower = name.lower()
-        if lower.endswith(".parquet"):
-            import pyarrow.parquet as pq
-
-            with fsspec.open(name, "rb") as handle:
-                table = pq.read_table(handle, columns=[text_field])
-            yield from (str(value) for value in table.column(text_field).to_pylist() if value is not None)
-        elif lower.endswith(".jsonl"):
-            with fsspec.open(name, "rt", encoding="utf-8") as handle:
-                for number, line in enumerate(handle, 1):
-                    if line.strip():
-                        yield _field(json.loads(line), text_field, name, number)
-        else:
-            with fsspec.open(name, "rt", encoding="utf-8") as handle:
-                yield handle.read()
-
-
-def _field(record: Any, field: str, name: str, number: int) -> str:
-    if not isinstance(record, dict) or not isinstance(record.get(field), str):
-        raise UsageError(f"{name}:{number}: expected a JSON object with a text field {field!r}")
-    return record[field]
 
 
 def _fingerprint(files: list[str], tokenizer: str) -> str:
@@ -104,29 +68,12 @@ def _cache_root() -> Path:
     return Path(os.environ.get("MLSCALE_CACHE_DIR") or Path.home() / ".cache" / "mlscale") / "tokens"
 
 
-def load_tokenizer(path: str) -> Any:
-    from tokenizers import Tokenizer
-
-    try:
-        return Tokenizer.from_file(path)
-    except Exception as exc:  # the tokenizers library's errors are plain exceptions with a message
-        raise UsageError(f"bad value tokenizer={path!r}: not a tokenizers JSON file ({exc})") from None
-
-
-def end_of_document(tokenizer: Any) -> int:
-    """The id that ends a document: the tokenizer's own end token when it has one (``</s>``, ``<|endoftext|>``,
-    ``[SEP]``, ``<eos>``), else refused."""
-    for name in ("<|endoftext|>", "</s>", "<eos>", "[EOS]", "[SEP]"):
-        token = tokenizer.token_to_id(name)
-        if token is not None:
-            return int(token)
-    raise UsageError("the tokenizer has no end-of-document token (<|endoftext|>, </s>, <eos>, [EOS] or [SEP]); "
-                     "add one to its special tokens")
-
-
-def tokenize(path: str, tokenizer_path: str, text_field: str = "text") -> tuple[np.ndarray, dict[str, Any]]:
+def tokenize(path: str, tokenizer_path: str, text_field: str = "text",
+             workers: int = 0) -> tuple[np.ndarray, dict[str, Any]]:
     """The token ids of every document of ``path`` (each followed by the end-of-document id), memory-mapped
-    from the folder a first call made."""
+    from the folder a first call made. ``workers`` > 0: that first pass is shared by as many spawned
+    processes (``--data-workers``), each encoding a contiguous range of the documents with one thread into a
+    part file of its own; the parts, joined in document order, are the same bytes as one process makes."""
     files = source_files(path)
     folder = _cache_root() / _fingerprint(files, tokenizer_path)
     tokens_path, meta_path = folder / "tokens.bin", folder / "meta.json"
@@ -135,26 +82,45 @@ def tokenize(path: str, tokenizer_path: str, text_field: str = "text") -> tuple[
         end = end_of_document(tokenizer)
         folder.mkdir(parents=True, exist_ok=True)
         counts = {"documents": 0, "tokens": 0}
+        how = f"{workers} data-worker process{'es' * (workers > 1)}" if workers > 0 else "the tokenizer's threads"
+        print(f"mlscale: tokenizing {len(files)} file(s) once into {folder}, in {how}", file=sys.stderr, flush=True)
 
         def write(temporary: Path) -> None:
-            with open(temporary, "wb") as out:
-                batch: list[str] = []
-                for document in [*documents(files, text_field), None]:
-                    if document is not None:
-                        batch.append(document)
-                    if batch and (document is None or len(batch) == CHUNK):
-                        for encoding in tokenizer.encode_batch(batch, add_special_tokens=False):
-                            ids = np.asarray([*encoding.ids, end], dtype=np.int32)
-                            out.write(ids.tobytes())
-                            counts["tokens"] += len(ids)
-                        counts["documents"] += len(batch)
-                        batch = []
+            if workers > 0:
+                done = _encode_in_processes(files, text_field, tokenizer_path, end, workers, temporary)
+            else:
+                done = encode(tokenizer, documents(files, text_field), end, temporary)
+            counts.update(documents=done[0], tokens=done[1])
 
         atomic_write(tokens_path, write)
         atomic_write_json(meta_path, {"files": files, "tokenizer": str(tokenizer_path), "end": end,
                                       "vocab": tokenizer.get_vocab_size(), **counts})
     meta = json.loads(meta_path.read_text())
     return np.memmap(tokens_path, dtype=np.int32, mode="r"), meta
+
+
+def _encode_in_processes(files: list[str], text_field: str, tokenizer_path: str, end: int, workers: int,
+                         path: Path) -> tuple[int, int]:
+    """``_encode`` shared by ``workers`` spawned processes (spawned: a fork of a process whose torch or
+    tokenizer threads run can deadlock), a contiguous range of the documents each, joined in order."""
+    counts = [count_documents(name, text_field) for name in files]
+    total = sum(counts)
+    shares = min(workers, max(1, total))
+    bounds = [total * share // shares for share in range(shares + 1)]
+    parts = [path.with_name(f"{path.name}.part{share}") for share in range(shares)]
+    try:
+        with ProcessPoolExecutor(shares, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = [pool.submit(encode_part, files, counts, bounds[share], bounds[share + 1], text_field,
+                                   tokenizer_path, end, str(part)) for share, part in enumerate(parts)]
+            done = [future.result() for future in futures]
+        with open(path, "wb") as out:
+            for part in parts:
+                with open(part, "rb") as piece:
+                    shutil.copyfileobj(piece, out, 1 << 22)
+    finally:
+        for part in parts:
+            part.unlink(missing_ok=True)
+    return sum(d for d, _ in done), sum(t for _, t in done)
 
 
 class PackedText(Dataset[tuple[dict[str, torch.Tensor], torch.Tensor]]):
@@ -206,5 +172,4 @@ def train_tokenizer(texts: list[str], path: str | Path, vocab_size: int = 256) -
     return Path(path)
 
 
-__all__ = ["PackedText", "documents", "end_of_document", "position_ids", "source_files", "tokenize",
-           "train_tokenizer"]
+__all__ = ["PackedText", "position_ids", "tokenize", "train_tokenizer"]

@@ -29,6 +29,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from mlscale.common.redact import MASK, redact_text, redact_url, secrets_of
 from mlscale.deploy.manifests import (
     Manifest,
     check_count,
@@ -44,7 +45,6 @@ from mlscale.deploy.manifests import (
     secret_env,
 )
 from mlscale.errors import UsageError
-from mlscale.redact import MASK, redact_text, redact_url, secrets_of
 
 HTTP_PORT, GRPC_PORT = 8000, 8001
 REGISTRY_DIR = "/mnt/registry"
@@ -109,6 +109,7 @@ class ServingDeployment:
         check_count("target-cpu-percent", self.target_cpu_percent)
         check_count("target-pending", self.target_pending)
         check_workers(self.serve_args, self.cpu)
+        check_kv_cache(self.serve_args, self.memory)
 
     @property
     def most_replicas(self) -> int:
@@ -143,6 +144,20 @@ def check_workers(serve_args: tuple[str, ...], cpu: str) -> None:
     if workers.isdigit() and int(workers) > max(1.0, cores):
         raise UsageError(f"bad value --workers {workers} after --: the pod requests {cpu} CPU; give --cpu {workers} "
                          "so that each worker has a core (and the autoscaler's CPU target means what it says)")
+
+
+def check_kv_cache(serve_args: tuple[str, ...], memory: str) -> None:
+    """``--kv-cache-mb`` after -- (a language model's KV pool, one per worker, allocated whole at start):
+    every worker's pool under the pod's memory limit, or the pods would be OOM-killed as they start."""
+    given, workers = _flag_value(serve_args, "--kv-cache-mb"), _flag_value(serve_args, "--workers") or "1"
+    try:
+        pools_mb = float(given) * int(workers) if given is not None else 0.0
+    except ValueError:
+        return  # the flags after -- are checked as mlscale serve checks them, elsewhere
+    if pools_mb * 2**20 >= quantity_bytes(memory):
+        raise UsageError(f"bad value --kv-cache-mb {given} after --: {workers} worker(s)' KV caches take {pools_mb:g} "
+                         f"MiB, over the pod's memory limit {memory}; give --memory above it (the model and the "
+                         "server need memory too)")
 
 
 def _has_credentials(value: str) -> bool:

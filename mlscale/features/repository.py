@@ -2,7 +2,7 @@
 in data, so, as for tasks, its code runs only if the module declared its repository with
 ``declare_repository`` (and is not a standard-library module): a name in a config cannot make
 mlscale call anything else. The module's source is checked for that call before it is imported
-(``mlscale.declarations``): a module that declares nothing is never run.
+(``mlscale.common.declarations``): a module that declares nothing is never run.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import importlib
 import re
 import sys
 
-from mlscale.declarations import NotFound, calls_at_top_level, is_program, module_tree
+from mlscale.common.declarations import NotFound, calls_at_top_level, is_program, module_tree
 from mlscale.errors import UsageError
 from mlscale.features.definitions import FeatureRepository, FeatureService
 
@@ -28,7 +28,7 @@ def declare_repository(repository: FeatureRepository, module: str | None = None)
 
 def _check_source(module: str) -> None:
     """Refuse a module whose source does not call ``declare_repository`` when imported: read and parsed,
-    never run, found without importing it or its packages (``mlscale.declarations``)."""
+    never run, found without importing it or its packages (``mlscale.common.declarations``)."""
     undeclared = UsageError(f"bad value features={module!r}: not a declared feature repository; call "
                             "mlscale.features.declare_repository(FeatureRepository(...)) in it")
     if is_program(module) or module in sys.modules:  # imported already: it declared what it declares

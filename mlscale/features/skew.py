@@ -9,11 +9,13 @@ least ``min_samples`` served values were seen: with fewer, a histogram's noise a
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import orjson
 
 DEFAULT_THRESHOLD = 0.1
 MIN_SAMPLES = 200
@@ -99,8 +101,6 @@ class FeatureLog:
     skew`` reads, from another process, while the server goes on."""
 
     def __init__(self, path: str) -> None:
-        import sqlite3
-
         self.connection = sqlite3.connect(path, check_same_thread=False, timeout=10)
         with self.connection:
             self.connection.execute("PRAGMA journal_mode=WAL")
@@ -109,8 +109,6 @@ class FeatureLog:
 
     def append(self, model: str, version: int, at: float, columns: Mapping[str, Sequence[Any]]) -> None:
         """One row per served vector: its values (None for a missing one), JSON, by feature name."""
-        import orjson
-
         names = list(columns)
         rows = zip(*(columns[n] for n in names))
         with self.connection:
@@ -119,8 +117,6 @@ class FeatureLog:
                 for row in rows])
 
     def columns(self, model: str, version: int, names: Sequence[str], since: float = 0.0) -> dict[str, list[Any]]:
-        import orjson
-
         rows = [orjson.loads(r[0]) for r in self.connection.execute(
             "SELECT vector FROM served WHERE model = ? AND version = ? AND at >= ?", (model, version, since))]
         return {name: [row.get(name) for row in rows] for name in names}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mlscale.lazy import lazy_names
+from mlscale.common.lazy import lazy_names
 from mlscale.registry.artifacts import ArtifactIntegrityError, ArtifactStore, LocalArtifactStore
 from mlscale.registry.store import ModelVersion, NotFound, Registry, RegistryError
 from mlscale.registry.uri import STAGES, ModelURI, parse_uri

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from mlscale.common.io import atomic_write
 from mlscale.errors import MlscaleError
-from mlscale.io import atomic_write
 
 OWNER_MARK = ".owner"  # in each version's folder: the identity of the registry whose folder it is
 

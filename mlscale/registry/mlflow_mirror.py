@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mlscale.common.redact import redact_text, redact_url
 from mlscale.errors import MlscaleError, UsageError, first_line
-from mlscale.redact import redact_text, redact_url
 from mlscale.registry.store import ModelVersion, Registry
 
 

@@ -17,11 +17,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from mlscale.common.dtypes import v2_datatype
 from mlscale.config import TrainConfig
 from mlscale.data.batches import Tree, call_model
 from mlscale.data.tensors import TensorData
-from mlscale.dtypes import v2_datatype
 from mlscale.errors import UsageError
+from mlscale.registry.generation import generation_files
 from mlscale.registry.inputs import SINGLE, call_args, named
 from mlscale.registry.store import WEIGHTS_ARTIFACT, ModelVersion, Registry
 from mlscale.rundir import RunDir
@@ -159,8 +160,12 @@ def load_torch_model(registry: Registry, version: ModelVersion) -> nn.Module:
 
 
 def register_run(registry: Registry, run_dir: str | Path, name: str, *, description: str = "",
-                 tags: dict[str, str] | None = None) -> ModelVersion:
-    """Register the final model of a completed run, with its lineage; updates the run's ``model_uri``."""
+                 tags: dict[str, str] | None = None, tokenizer: str | Path | None = None,
+                 generation_config: str | Path | None = None) -> ModelVersion:
+    """Register the final model of a completed run, with its lineage; updates the run's ``model_uri``.
+    A language model may bring its ``tokenizer`` (tokenizer.json) and ``generation_config`` (sampling
+    defaults, chat template), stored as artifacts of the version (``mlscale.registry.generation``)."""
+    extra = generation_files(tokenizer, generation_config)  # checked before anything is stored
     run = RunDir(run_dir)
     if not run.report_path.exists():
         raise UsageError(f"bad value run-dir={str(run_dir)!r}: no report.json (is it a training run directory?)")
@@ -175,7 +180,8 @@ def register_run(registry: Registry, run_dir: str | Path, name: str, *, descript
                "samples_seen": report.get("samples_seen"), "world_size": report.get("world_size"),
                "wall_s": report.get("wall_s"), "features": report.get("features")}
     version = registry.create_version(
-        name, {WEIGHTS: run.final_model_path}, config=config, metrics=metrics, signature=signature_of(config),
+        name, {WEIGHTS: run.final_model_path, **extra}, config=config, metrics=metrics,
+        signature=signature_of(config),
         source_run=str(run.path.resolve()), data_fingerprint=report.get("data_fingerprint"),
         code_version=report.get("code_version") or {}, description=description, tags=tags)
     report["model_uri"] = version.uri

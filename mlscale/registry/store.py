@@ -28,8 +28,8 @@ from sqlalchemy import Connection, create_engine, event, func, insert, make_url,
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import ArgumentError, IntegrityError, OperationalError, ProgrammingError, SQLAlchemyError
 
+from mlscale.common.redact import ambiguous_userinfo, redact_text, redact_url
 from mlscale.errors import MlscaleError, UsageError, first_line
-from mlscale.redact import ambiguous_userinfo, redact_text, redact_url
 from mlscale.registry import schema
 from mlscale.registry.artifacts import (
     OWNER_MARK,

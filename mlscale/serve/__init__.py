@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mlscale.lazy import lazy_names
+from mlscale.common.lazy import lazy_names
 
 if TYPE_CHECKING:
     from mlscale.serve.launch import serve

@@ -20,10 +20,11 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from mlscale.connections import BodyBudget
+from mlscale.common.connections import BodyBudget
 from mlscale.serve import tracing
 from mlscale.serve.batcher import DeadlineExceeded, Overloaded, Replaced
 from mlscale.serve.cache import ResponseCache, cache_key
+from mlscale.serve.featured import StoreUnavailable
 from mlscale.serve.metrics import ServerMetrics
 from mlscale.serve.models import ModelSlot, ServedModel
 from mlscale.serve.options import ServeOptions
@@ -375,8 +376,6 @@ async def admitted(state: ServerState, served: ServedModel, answer: Callable[[fl
 async def entity_features(served: ServedModel, entities: Any) -> np.ndarray:
     """The model's input built from the online store; 503 with Retry-After when the store does not
     answer in time (only the requests that need it wait on it)."""
-    from mlscale.serve.featured import StoreUnavailable
-
     started = time.perf_counter()
     try:
         return await served.feature_vectors(entities)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -22,7 +23,10 @@ from typing import Any, TypeVar
 import numpy as np
 
 from mlscale.errors import UsageError
+from mlscale.features import load_service
 from mlscale.features.encoding import model_matrix
+from mlscale.features.online import get_online_features, online_store
+from mlscale.features.skew import FeatureLog, FeatureSkew
 from mlscale.registry import ModelVersion
 from mlscale.serve.protocol import MAX_ROWS, BadRequest
 
@@ -75,8 +79,6 @@ class StoreCalls:
 
 def _store_failure(exc: BaseException) -> bool:
     """An error of the store itself: SQLite's (a locked or unreadable file), Redis's, or the network's."""
-    import sqlite3
-
     return isinstance(exc, (sqlite3.Error, OSError)) or type(exc).__module__.split(".")[0] == "redis"
 
 
@@ -104,8 +106,6 @@ class FeatureLogWriter:
         self._queue.put(None)  # blocks only while the queue is full: the writer is draining it
 
     def _write(self) -> None:
-        from mlscale.features.skew import FeatureLog
-
         feature_log = None
         while True:
             entry = self._queue.get()
@@ -128,10 +128,6 @@ class FeatureInputs:
 
     def __init__(self, version: ModelVersion, store_location: str | None, log_location: str | None = None, *,
                  timeout_s: float = 0.5, on_log_failure: Callable[[], None] = lambda: None) -> None:
-        from mlscale.features import load_service
-        from mlscale.features.online import online_store
-        from mlscale.features.skew import FeatureSkew
-
         options = version.config.get("task_options") or {}
         if store_location is None:
             raise UsageError(f"{version.uri} was trained from features ({options.get('service')}): give the online "
@@ -155,8 +151,6 @@ class FeatureInputs:
     async def vectors(self, entity_rows: list[dict[str, Any]]) -> np.ndarray:
         """The model's input for these entities: the store is read off the event loop, under the store
         timeout (``StoreUnavailable`` past it); the rest is cheap and stays on the loop."""
-        from mlscale.features.online import get_online_features
-
         try:
             columns = await self.calls.run(
                 lambda: get_online_features(self.repository, self.store, self.service, entity_rows))

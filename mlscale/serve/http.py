@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 import orjson
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -35,6 +36,8 @@ from mlscale.serve.core import (
     refuse_if_overloaded,
     run_inference,
 )
+from mlscale.serve.generation import oip_generate, openai_api
+from mlscale.serve.generation.responses import traced
 from mlscale.serve.models import ServedModel
 from mlscale.serve.protocol import (
     BadRequest,
@@ -330,6 +333,32 @@ def build_app(state: ServerState) -> InferenceFrontend:
         served = _served(request)
         return JSONResponse({"name": served.name, "ready": state.ready}, status_code=200 if state.ready else 503)
 
+    async def openai(request: Request) -> Response:
+        """/v1/completions and /v1/chat/completions: every error in OpenAI's shape."""
+        start = time.perf_counter()
+        try:
+            async with request_body(state, request.scope, request.receive) as body:
+                decoded = _decode(body)
+            model = decoded.get("model") if isinstance(decoded, dict) else None
+            chat = request.url.path.endswith("/chat/completions")
+            return await traced(state, model if isinstance(model, str) else "", _header(request.scope, b"traceparent"),
+                                start, lambda: openai_api.answer(state, chat, decoded,
+                                                                 _header(request.scope, state.route_header)))
+        except HTTPError as exc:
+            return openai_api.error_response(exc.status, str(exc), headers=exc.headers)
+
+    async def openai_models(_: Request) -> Response:
+        return JSONResponse(openai_api.list_models(state))
+
+    async def generate(request: Request) -> Response:
+        """The Open Inference Protocol's generate and generate_stream."""
+        start, name = time.perf_counter(), request.path_params["name"]
+        async with request_body(state, request.scope, request.receive) as body:
+            decoded = _decode(body)
+        return await traced(state, name, _header(request.scope, b"traceparent"), start, lambda: oip_generate.answer(
+            state, name, request.path_params.get("version"), decoded, request.url.path.endswith("_stream"),
+            _header(request.scope, state.route_header)))
+
     async def metrics(_: Request) -> Response:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
@@ -360,8 +389,11 @@ def build_app(state: ServerState) -> InferenceFrontend:
         Route(f"{model}/compare", compare_versions), Route(f"{model}/stats", model_statistics),
         Route(f"{version}/stats", model_statistics),
         Route("/v2/repository/index", repository_index, methods=["POST"]),
+        Route("/v1/completions", openai, methods=["POST"]), Route("/v1/chat/completions", openai, methods=["POST"]),
+        Route("/v1/models", openai_models),
+        *(Route(f"{path}/{route}", generate, methods=["POST"]) for path in (model, version)
+          for route in ("generate", "generate_stream")),
     ]
-    from starlette.exceptions import HTTPException
 
     control = Starlette(routes=routes, lifespan=lifespan,
                         exception_handlers={HTTPError: on_http_error, HTTPException: on_starlette_error})

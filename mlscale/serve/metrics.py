@@ -11,85 +11,20 @@ batches after awaiting them), so no lock is needed.
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.utils import floatToGoString
 
 from mlscale.serve.cache import ResponseCache
-from mlscale.serve.cells import Block, Cells, Key, private_block
+from mlscale.serve.cells import Cells, Key
+from mlscale.serve.generation.series import GenerationSeries, families
+from mlscale.serve.series import Counter, Gauge, Histogram
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 LABELS = ["model", "version"]
-
-
-class Counter:
-    """A count in a cell of its own."""
-
-    __slots__ = ("at", "cells")
-
-    def __init__(self, block: Block | None = None) -> None:
-        self.cells, self.at = block or private_block(1)
-
-    @property
-    def value(self) -> float:
-        return self.cells[self.at]
-
-    def inc(self, amount: float = 1.0) -> None:
-        self.cells[self.at] += amount
-
-
-class Gauge(Counter):
-    """A value set, in a cell of its own."""
-
-    __slots__ = ()
-
-    def set(self, value: float) -> None:
-        self.cells[self.at] = value
-
-
-class Histogram:
-    """Counts per bucket (the last one past every bound), then the sum, in cells of their own."""
-
-    __slots__ = ("_sum_at", "at", "bounds", "cells")
-
-    def __init__(self, bounds: tuple[float, ...], block: Block | None = None) -> None:
-        self.bounds = bounds
-        self.cells, self.at = block or private_block(len(bounds) + 2)
-        self._sum_at = self.at + len(bounds) + 1
-
-    def observe(self, value: float) -> None:
-        self.cells[self.at + bisect_left(self.bounds, value)] += 1  # first bucket whose upper bound is >= value
-        self.cells[self._sum_at] += value
-
-    @property
-    def counts(self) -> list[int]:
-        return [int(count) for count in self.cells[self.at:self._sum_at]]
-
-    @property
-    def sum(self) -> float:
-        return self.cells[self._sum_at]
-
-    @property
-    def count(self) -> int:
-        return sum(self.counts)
-
-    def add(self, counts: list[int], total: float) -> None:
-        """Another histogram's counts and sum added (a whole-server view)."""
-        for index, count in enumerate(counts):
-            self.cells[self.at + index] += count
-        self.cells[self._sum_at] += total
-
-    def buckets(self) -> list[tuple[str, float]]:
-        cumulative, out = 0, []
-        for bound, count in zip((*map(floatToGoString, self.bounds), "+Inf"), self.counts):
-            cumulative += count
-            out.append((bound, cumulative))
-        return out
 
 
 # (how to get the series from a ModelStats, metric name, help)
@@ -148,9 +83,12 @@ def snapshot_of(cells: dict[Key, list[float]]) -> dict[str, Any]:
         if entry is None:
             entry = models[(model, version)] = {
                 "labels": [model, version], "role": "primary", "counters": {}, "cache": {}, "failures": {},
-                "client_errors": {}, "histograms": {}, "gauges": {}, "last_inference_ms": 0, "skew": []}
+                "client_errors": {}, "histograms": {}, "gauges": {}, "last_inference_ms": 0, "skew": [],
+                "generation": {}}
         if section == "histograms":
             entry[section][name] = [[int(count) for count in values[:-1]], values[-1]]
+        elif section == "generation":
+            entry[section][name] = values
         elif section == "state":
             entry[name] = ROLES[int(values[0])] if name == "role" else int(values[0])
         else:
@@ -211,6 +149,7 @@ class ModelStats:
             counter("counters", name) for name in ("shadow_agreed", "shadow_abs_diff", "shadow_failed"))
         self.shadow_latency, self.shadow_primary_latency = (
             histogram(name) for name in ("shadow_latency", "shadow_primary_latency"))
+        self.generation: GenerationSeries | None = None  # a language model's: made by ``generating``
 
     @property
     def role(self) -> str:
@@ -227,6 +166,12 @@ class ModelStats:
     @last_inference_ms.setter
     def last_inference_ms(self, value: int) -> None:
         self._last_inference_ms.set(value)
+
+    def generating(self) -> GenerationSeries:
+        """The series of a version that generates text (made on first use: others have none)."""
+        if self.generation is None:
+            self.generation = GenerationSeries(self.labels, self._cells)
+        return self.generation
 
     def hold(self, role: str) -> None:
         """A slot serves this version in ``role`` from now on (a version may be both a model's primary and
@@ -253,7 +198,8 @@ class ModelStats:
                                for name in HISTOGRAM_FIELDS},
                 "gauges": {name: getattr(self, name).value for name in GAUGE_FIELDS},
                 "last_inference_ms": self.last_inference_ms,
-                "skew": self.feature_skew.report() if self.feature_skew is not None else []}
+                "skew": self.feature_skew.report() if self.feature_skew is not None else [],
+                "generation": self.generation.snapshot() if self.generation is not None else {}}
 
     def absorb(self, snapshot: dict[str, Any], gauges: bool = True) -> None:
         """Add a worker's counters and histograms to these (a whole-server view); its gauges are added
@@ -274,6 +220,8 @@ class ModelStats:
                 gauge.set(max(gauge.value, value) if name in ("loaded", "share") else gauge.value + value)
             self.role = snapshot["role"]
         self.last_inference_ms = max(self.last_inference_ms, snapshot["last_inference_ms"])
+        if snapshot.get("generation"):
+            self.generating().absorb(snapshot["generation"], gauges)
 
     def failure(self, reason: str, count: float = 1.0) -> None:
         counter = self.failures.get(reason)
@@ -418,6 +366,9 @@ class MetricsView:
                 family.add_metric(per_worker(worker, stats), series(stats).value)
             yield family
         yield from _rollout_families(models)
+        yield from families([stats.generation for stats in models if stats.generation is not None],
+                            [(per_worker(worker, stats), stats.generation) for worker, stats in self.per_worker
+                             if stats.generation is not None], gauge_labels)
         skew = GaugeMetricFamily("mlscale_feature_skew", "Distance of the served feature values from the training "
                                  "distribution (Jensen-Shannon, numeric; L-infinity, categorical)",
                                  labels=[*gauge_labels, "feature"])
@@ -484,7 +435,7 @@ SHADOW_COUNTERS = [
     ("shadow_failed", "mlscale_shadow_failure_count", "Copies the shadow version failed to answer"),
     ("shadow_compared", "mlscale_shadow_compared_count", "Shadow answers compared with the served answers"),
     ("shadow_agreed", "mlscale_shadow_agreed_count", "Shadow answers that agree with the served ones (same class "
-     "for class scores, else equal within 1e-3 relative)"),
+     "for class scores, else equal within 1e-3 relative; a greedy generation: the same tokens)"),
     ("shadow_abs_diff", "mlscale_shadow_abs_diff_sum", "Sum over compared answers of the mean absolute difference "
      "between the shadow's and the served output"),
 ]

@@ -17,6 +17,8 @@ import numpy as np
 from mlscale.registry import ModelVersion, Registry, parse_uri
 from mlscale.serve.batcher import ONE_CORE, DynamicBatcher
 from mlscale.serve.batching import batching_for
+from mlscale.serve.featured import FeatureInputs, entity_rows
+from mlscale.serve.generation.language_model import LanguageModel, load_lm
 from mlscale.serve.metrics import ServerMetrics
 from mlscale.serve.options import ServeOptions
 from mlscale.serve.protocol import BadRequest
@@ -40,9 +42,10 @@ class ServedModel:
     """One loaded version: its runtime, its batcher and what clients may send it."""
 
     def __init__(self, version: ModelVersion, runtime: Runtime, options: ServeOptions,
-                 metrics: ServerMetrics, role: str = "primary") -> None:
+                 metrics: ServerMetrics, role: str = "primary", language_model: LanguageModel | None = None) -> None:
         """``role``: primary, canary or shadow; a shadow's model calls never run on the event loop (the
-        served path must not wait for them)."""
+        served path must not wait for them). ``language_model``: a causal LM's generation (its engine,
+        tokenizer and defaults), which the generate routes use."""
         self.version, self.runtime, self.options = version, runtime, options
         self.name, self.number = version.name, version.version
         signature = version.signature
@@ -64,10 +67,9 @@ class ServedModel:
                                       instances=options.instances, batching=batching_for(self.inputs, self.output),
                                       queue_limit=options.shadow_queue if role == "shadow" else options.queue_limit,
                                       one_core=ONE_CORE or options.core_per_worker)
+        self.language_model = language_model
         self.features = None  # a model trained from features: what turns entity keys into its input
         if version.config.get("task") == "features":
-            from mlscale.serve.featured import FeatureInputs
-
             self.features = FeatureInputs(version, options.online_store, options.feature_log,
                                           timeout_s=options.store_timeout_ms / 1e3,
                                           on_log_failure=self.stats.feature_log_failures.inc)
@@ -78,13 +80,14 @@ class ServedModel:
         ``StoreUnavailable`` when the online store does not answer in time)."""
         if self.features is None:
             raise BadRequest(f"model {self.name} was not trained from features: send 'inputs', not 'entities'")
-        from mlscale.serve.featured import entity_rows
 
         return await self.features.vectors(entity_rows(entities))
 
     async def close(self) -> None:
         """Drain what this version has queued, then let its threads go (the store's, the feature log's)."""
         await self.batcher.close()
+        if self.language_model is not None:  # streams in flight finish first
+            await self.language_model.close()
         if self.features is not None:
             await asyncio.to_thread(self.features.close)
         self.stats.release(self.role)
@@ -126,7 +129,13 @@ class ModelSlot:
         if runtime is None:
             runtime = await asyncio.to_thread(load_runtime, self.registry, version, self.options.runtime,
                                               self.options.threads, self.options.precision)
-        served = ServedModel(version, runtime, self.options, self.metrics, role=self.role)
+        loaded = await asyncio.to_thread(load_lm, self.registry, version, runtime)
+        language_model = None
+        if loaded is not None:  # the engine reports to the version's series
+            series = self.metrics.stats_for(version.name, str(version.version)).generating()
+            language_model = LanguageModel(version.name, loaded, self.options, observer=series)
+        served = ServedModel(version, runtime, self.options, self.metrics, role=self.role,
+                             language_model=language_model)
         served.batcher.tracer = self.tracer
         await asyncio.to_thread(served.warm_up)
         return served

@@ -6,13 +6,16 @@ the server cannot work with is refused before any model is loaded.
 
 from __future__ import annotations
 
+import math
+import os
 import secrets
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from mlscale.connections import open_file_connection_limit
-from mlscale.errors import UsageError
+from mlscale.common.connections import open_file_connection_limit
+from mlscale.errors import UsageError, describe_validation_error
 from mlscale.serve.runtimes import AUTO, RuntimeChoice
 
 
@@ -94,6 +97,18 @@ class ServeOptions(BaseModel):
                                         "limit, at most 2048")
     max_inflight_mb: float = Field(64.0, gt=0, description="request-body bytes the server holds at once, "
                                    "across requests; past it new bodies get 503 at once")
+    # A causal language model's generation engine (/v1/completions, /v2/models/NAME/generate); its
+    # waiting queue is --queue-limit.
+    kv_cache_mb: float = Field(64.0, gt=0, description="a language model's KV cache: one pool of blocks, which "
+                               "bounds the tokens its running sequences hold")
+    kv_block_size: int = Field(16, ge=1, description="tokens per KV-cache block (the unit of the pool and of "
+                               "prefix caching)")
+    max_batch_tokens: int = Field(256, ge=1, description="tokens a generation step computes at most (prompts' "
+                                  "prefill and every running sequence's next token)")
+    max_sequences: int = Field(64, ge=1, description="sequences a language model generates at once")
+    no_prefix_caching: bool = Field(False, description="recompute every prompt (no reuse of a cached prefix's "
+                                    "KV blocks)")
+    no_chunked_prefill: bool = Field(False, description="prefill a prompt in one step, however long")
     store_timeout_ms: float = Field(500.0, gt=0, description="longest an online-store lookup may take (then "
                                     "503 with Retry-After for the requests that need it)")
 
@@ -158,10 +173,6 @@ def split_share(value: str, name: str, required: bool) -> tuple[str, float]:
 def usable_cores() -> int:
     """The cores this process may run on: its CPU affinity, bounded by a cgroup v2 (or v1) CPU quota,
     as a container's limit sets it."""
-    import math
-    import os
-    from pathlib import Path
-
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     quota = None
     try:
@@ -183,8 +194,6 @@ def usable_cores() -> int:
 def serve_options(**values: Any) -> ServeOptions:
     """``ServeOptions`` from keyword values (``None`` means the default); a bad value is a one-line
     ``UsageError`` naming it in the CLI's spelling."""
-    from mlscale.errors import describe_validation_error
-
     try:
         return ServeOptions(**{key: value for key, value in values.items() if value is not None})
     except ValidationError as exc:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,9 +53,6 @@ def fetch_comparison(server: str, name: str) -> dict[str, Any]:
     """The server's comparison report; one line (never a traceback) when the server cannot be reached or
     fails (exit 1), refuses (4xx, its error: exit 2) or answers something that is not a report (exit 2:
     --server names something other than an `mlscale serve`)."""
-    import urllib.error
-    import urllib.request
-
     url = f"{server.rstrip('/')}/v2/models/{name}/compare"
     try:
         with urllib.request.urlopen(url, timeout=10) as response:

@@ -19,6 +19,9 @@ at most ``--shadow-queue`` copies wait or run at once, past that copies are drop
 served path never waits for the shadow; no client gets the shadow's answer (a request naming its version
 is refused as a canary's is). Each shadow answer is compared with the served one: agreement
 (the same class for class scores, else equal within 1e-3 relative), mean absolute difference, latency.
+A language model's greedy requests (temperature 0) are copied too, through ``copy_call``: agreement is
+the same tokens in every choice, the difference the share of token positions that differ
+(``generation.responses.same_tokens``); a sampled one has no answer to agree with, and is not copied.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import asyncio
 import hashlib
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -162,10 +166,18 @@ class Shadow:
         return self.slot.name
 
     def copy(self, served: ServedModel, array: Inputs, output: np.ndarray, served_seconds: float) -> None:
-        """Queue a copy of a request the primary version ``served`` answered with ``output`` in
-        ``served_seconds`` (a canary's answers are not compared: the shadow is measured against the
-        version served), unless it is not in the share, or the shadow holds ``queue_limit`` copies
-        already (then dropped)."""
+        """Queue a copy of an inference request the primary version ``served`` answered with ``output``
+        in ``served_seconds`` (see ``copy_call``)."""
+        self.copy_call(served, lambda shadow: shadow.batcher.submit(array), lambda answer: agreement(output, answer),
+                       served_seconds)
+
+    def copy_call(self, served: ServedModel, call: Callable[[ServedModel], Awaitable[Any]],
+                  judge: Callable[[Any], tuple[bool, float]], served_seconds: float) -> None:
+        """Queue a copy of a request the primary version ``served`` answered in ``served_seconds`` (a
+        canary's answers are not compared: the shadow is measured against the version served), unless it
+        is not in the share, or the shadow holds ``queue_limit`` copies already (then dropped).
+        ``call(shadow version)`` answers the copy; ``judge(its answer)``: (it agrees with the served
+        answer, their mean absolute difference)."""
         shadow = self.slot.current
         if shadow is None or served.role != "primary" or not self.split.pick():
             return
@@ -175,17 +187,17 @@ class Shadow:
             stats.shadow_skipped.inc()
             return
         self.in_flight += 1
-        task = asyncio.get_running_loop().create_task(self._answer(shadow, array, output, served_seconds))
+        task = asyncio.get_running_loop().create_task(self._answer(shadow, call, judge, served_seconds))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
-    async def _answer(self, shadow: ServedModel, array: Inputs, output: np.ndarray,
-                      served_seconds: float) -> None:
+    async def _answer(self, shadow: ServedModel, call: Callable[[ServedModel], Awaitable[Any]],
+                      judge: Callable[[Any], tuple[bool, float]], served_seconds: float) -> None:
         tracing.current.set(None)  # this task's own context: the copy is not part of the client's trace
         stats: ModelStats = shadow.stats
         start = time.perf_counter()
         try:
-            answer = await shadow.batcher.submit(array)
+            answer = await call(shadow)
         except Exception:  # overloaded, replaced, a model error: counted, never the client's problem
             stats.shadow_failed.inc()
             return
@@ -193,7 +205,7 @@ class Shadow:
             self.in_flight -= 1
         stats.shadow_latency.observe(time.perf_counter() - start)
         stats.shadow_primary_latency.observe(served_seconds)
-        agreed, difference = agreement(output, answer)
+        agreed, difference = judge(answer)
         stats.shadow_compared.inc()
         stats.shadow_agreed.inc(1.0 if agreed else 0.0)
         stats.shadow_abs_diff.inc(difference if difference == difference else 0.0)

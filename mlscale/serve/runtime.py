@@ -15,7 +15,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from mlscale.dtypes import V2_TO_NAME
+from mlscale.common.dtypes import V2_TO_NAME
+from mlscale.export.session import onnx_session
 from mlscale.registry.inputs import call_args
 
 Inputs = np.ndarray | dict[str, np.ndarray]  # a batch's inputs: one array, or one per input name
@@ -37,8 +38,6 @@ class OnnxRuntime:
     def __init__(self, model: str | bytes, threads: int = 1) -> None:
         """``model``: the ONNX file's bytes (as verified against the registry: what is hashed is what is
         loaded), or a path."""
-        from mlscale.export.session import onnx_session
-
         self.session = onnx_session(model, threads=threads)
 
     def run(self, batch: Inputs) -> np.ndarray:

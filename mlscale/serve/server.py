@@ -19,9 +19,9 @@ from typing import Any
 
 import uvicorn
 
-from mlscale.connections import protocol_with
+from mlscale.common.connections import protocol_with
+from mlscale.common.log_limits import limit_client_fed_logs
 from mlscale.errors import MlscaleError, UsageError
-from mlscale.log_limits import limit_client_fed_logs
 from mlscale.registry import Registry, parse_uri
 from mlscale.serve.cache import ResponseCache
 from mlscale.serve.core import GRPC_GRACE_S, GrpcStarter, ServerState

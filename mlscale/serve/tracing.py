@@ -8,6 +8,9 @@ arrival included), ``features`` (the online-store lookup), ``cache`` (hit, miss 
 ``queue`` (waiting for a batch), ``batch`` (from the batch's dispatch to its end: ``mlscale.batch.id``,
 rows and requests) and ``execute`` (the model call). Each batch also has a span of its own, linked to
 the span of every request it carried: the fan-in of a dynamic batch, as OpenTelemetry models it.
+A generation request's span (``generate MODEL``) has, for each choice, ``queue`` (from its arrival at the
+engine to the step that first computed it), ``prefill`` (to its first token) and ``decode`` (to its last);
+a stream's span ends with the stream.
 
 Off (the default), the SDK is never imported and a request pays a context-variable read or two. On,
 times are taken on the request's path (perf_counter), the spans are made from them once the answer
@@ -46,6 +49,7 @@ class RequestTrace:
     batch: dict[str, int] = field(default_factory=dict)  # id, rows, requests
     version: str | None = None  # the version that answered
     marks: list[tuple[str, float, float, dict[str, Any]]] = field(default_factory=list)  # other children
+    ended: bool = False  # its spans made (``Tracer.finish``): once only
 
     def mark(self, name: str, start: float, end: float, **attributes: Any) -> None:
         self.marks.append((name, start, end, attributes))
@@ -77,11 +81,13 @@ class Tracer:
     def _ns(self, t: float) -> int:
         return int(t * 1e9) + self._offset_ns
 
-    def begin(self, model: str, protocol: str, traceparent: str | None, start: float) -> RequestTrace:
-        """A request's trace, its server span started at ``start``, continuing ``traceparent``'s trace."""
+    def begin(self, model: str, protocol: str, traceparent: str | None, start: float,
+              operation: str = "infer") -> RequestTrace:
+        """A request's trace, its server span (``OPERATION MODEL``) started at ``start``, continuing
+        ``traceparent``'s trace."""
         parent = self.propagator.extract({"traceparent": traceparent}) if traceparent else None
         request = RequestTrace(model, protocol, parent, start)
-        request.span = self.tracer.start_span(f"infer {model}", context=parent, start_time=self._ns(start),
+        request.span = self.tracer.start_span(f"{operation} {model}", context=parent, start_time=self._ns(start),
                                               kind=self._trace.SpanKind.SERVER,
                                               attributes={"rpc.system": protocol, "mlscale.model": model})
         return request
@@ -103,7 +109,11 @@ class Tracer:
         span.end(end_time=self._ns(end))
 
     def finish(self, request: RequestTrace, status: int) -> None:
-        """The request's child spans, from the times its path recorded, then its own end."""
+        """The request's child spans, from the times its path recorded, then its own end (a trace ended
+        already is left as it is)."""
+        if request.ended:
+            return
+        request.ended = True
         parent = self._trace.set_span_in_context(request.span)
 
         def child(name: str, start: float | None, end: float | None, **attributes: Any) -> None:

@@ -53,6 +53,9 @@ def check_options(name: str, factory: Callable[..., Task], options: dict[str, An
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
     for key, value in options.items():
         parameter = parameters.get(key)
+        if key in RUN_SETTINGS and parameter is not None and parameter.kind is inspect.Parameter.KEYWORD_ONLY:
+            raise UsageError(f"bad value task-opt {key}={value!r}: the run gives task {name!r} its "
+                             f"--{key.replace('_', '-')}, not a task option")
         if parameter is None:
             if takes_any:
                 continue
@@ -68,12 +71,28 @@ def check_options(name: str, factory: Callable[..., Task], options: dict[str, An
                          f"{default!r}")
 
 
-def make_task(name: str, options: dict[str, Any] | None = None) -> Task:
-    """Build a task by name; bad options become a ``UsageError`` naming the task."""
+RUN_SETTINGS = ("data_workers",)  # the run's settings a factory may take, keyword-only, besides its options
+
+
+def _run_settings(factory: Callable[..., Task]) -> list[str]:
+    """The run settings ``factory`` takes (keyword-only parameters of those names)."""
+    try:
+        parameters = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        return []
+    return [key for key in RUN_SETTINGS
+            if key in parameters and parameters[key].kind is inspect.Parameter.KEYWORD_ONLY]
+
+
+def make_task(name: str, options: dict[str, Any] | None = None, *, data_workers: int | str = 0) -> Task:
+    """Build a task by name; bad options become a ``UsageError`` naming the task. A factory with a keyword-only
+    parameter of a name in ``RUN_SETTINGS`` gets that setting of the run (``--data-workers``: the text task
+    tokenizes in that many processes)."""
     factory = resolve_factory(name)
     check_options(name, factory, options or {})
+    settings = {"data_workers": data_workers}
     try:
-        task = factory(**(options or {}))
+        task = factory(**(options or {}), **{key: settings[key] for key in _run_settings(factory)})
     except (TypeError, ValueError) as exc:
         raise UsageError(f"bad task options for {name!r}: {exc}") from None
     if not isinstance(task, Task):

@@ -18,6 +18,7 @@ from torch.utils.data import Dataset
 
 from mlscale.data.batches import Tree
 from mlscale.data.dataset import Collate, MapData, is_map_dataset
+from mlscale.data.parquet import ParquetData
 from mlscale.data.tensors import TensorData
 from mlscale.errors import UsageError
 
@@ -76,8 +77,6 @@ class Task:
         return data
 
     def _data(self, source: Any, name: str) -> Any:
-        from mlscale.data.parquet import ParquetData
-
         if isinstance(source, (TensorData, ParquetData)):
             return source
         if not is_map_dataset(source):

@@ -5,7 +5,7 @@ with :func:`declare_task` in the module that defines it, or declared by an insta
 ``mlscale.tasks`` entry-point group. Anything else (``os:system``, ``subprocess:run``) is refused
 before it is called: with a registry shared through PostgreSQL, calling whatever a row names would
 be code execution on every host that loads a model. Nor is a module imported to find out: its
-source must show the declaration first (read and parsed, never run; ``mlscale.declarations``), so a
+source must show the declaration first (read and parsed, never run; ``mlscale.common.declarations``), so a
 row naming ``somepkg.__main__:main`` or any module that declares nothing runs none of its code.
 """
 
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any, TypeVar
 
-from mlscale.declarations import NotFound, declares_function, is_program, module_tree
+from mlscale.common.declarations import NotFound, declares_function, is_program, module_tree
 from mlscale.errors import UsageError
 
 ENTRY_POINT_GROUP = "mlscale.tasks"

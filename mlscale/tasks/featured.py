@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from mlscale.errors import UsageError
+from mlscale.features import get_historical_features, load_service
 from mlscale.features.encoding import categories_of, category, is_categorical, model_matrix
 from mlscale.tasks.base import Task, TensorData, regression_metrics
 from mlscale.tasks.tabular import TabularMLP
@@ -54,8 +55,6 @@ def categorical_statistics(values: list[Any]) -> dict[str, Any]:
 
 def make_features(service: str = "", entities: str = "", label: str = "label", timestamp: str = "event_timestamp",
                   hidden: int = 64, eval_fraction: float = 0.2) -> Task:
-    from mlscale.features import get_historical_features, load_service
-
     if not service or not entities:
         raise UsageError("training from features needs --features package.module:SERVICE and --entities FILE")
     repository, feature_service = load_service(service)

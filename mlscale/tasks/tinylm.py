@@ -81,13 +81,26 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         """``mask``: where a query may attend (batch x 1 x seq x seq, causal already); None: causal."""
-        batch, length, _ = x.shape
-        q, k, v = (w(x).view(batch, length, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        q, k, v = self._heads(x)
         if mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.wo(out.transpose(1, 2).reshape(batch, length, -1))
+        return self.wo(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1))
+
+    def forward_cached(
+        self, x: torch.Tensor, past: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """New tokens attending to cached keys and values (batch x heads x past x head_dim) and to
+        themselves, where ``mask`` (batch x 1 x new x (past + new)) allows; also their own keys and
+        values, for the cache (generation: mlscale.serve.generation)."""
+        q, k, v = self._heads(x)
+        out = F.scaled_dot_product_attention(q, torch.cat([past[0], k], 2), torch.cat([past[1], v], 2), attn_mask=mask)
+        return self.wo(out.transpose(1, 2).reshape(x.shape[0], x.shape[1], -1)), (k, v)
+
+    def _heads(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        batch, length, _ = x.shape
+        return tuple(w(x).view(batch, length, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
 
 
 class FeedForward(nn.Module):
@@ -108,6 +121,13 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), mask)
         return x + self.feed_forward(self.ffn_norm(x))
+
+    def forward_cached(
+        self, x: torch.Tensor, past: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        attended, new = self.attention.forward_cached(self.attention_norm(x), past, mask)
+        x = x + attended
+        return x + self.feed_forward(self.ffn_norm(x)), new
 
 
 class TinyLM(nn.Module):
@@ -149,6 +169,23 @@ class TinyLM(nn.Module):
             for block in self.layers.values():
                 x = block(x, mask)
         return self.output(self.norm(x))
+
+    def forward_cached(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        past: list[tuple[torch.Tensor, torch.Tensor]],
+        mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Generation's step: logits of new tokens (batch x new) at ``position_ids``, after each layer's
+        cached keys and values ``past``; ``mask`` (batch x 1 x new x (past + new)) says what each new
+        token sees. Returns the logits and each layer's keys and values of the new tokens."""
+        x = self.tok_embeddings(input_ids) + self.pos_embeddings(position_ids)
+        new = []
+        for block, layer_past in zip(self.layers.values(), past):
+            x, kv = block.forward_cached(x, layer_past, mask)
+            new.append(kv)
+        return self.output(self.norm(x)), new
 
 
 def document_mask(position_ids: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 import sys
 
-from mlscale.safe_path import drop_implicit_cwd
+from mlscale.common.safe_path import drop_implicit_cwd
 
 drop_implicit_cwd()
 

@@ -46,7 +46,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
-from mlscale.io import _fsync_dir, atomic_write
+from mlscale.common.io import _fsync_dir, atomic_write
 
 # DCP warns that it "assumes a single process" whenever no process group is used, as we mean it to.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")

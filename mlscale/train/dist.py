@@ -18,6 +18,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
+
+from mlscale.errors import UsageError
 
 
 @dataclass(frozen=True)
@@ -108,8 +111,6 @@ def tcp_store_listening_on(host: str) -> type[dist.TCPStore]:
 def stores_listening_on(host: str) -> Iterator[None]:
     """In this process, every ``TCPStore`` server torch's elastic agent starts (the rendezvous's, the
     workers' store) listens on ``host`` only, while the block runs."""
-    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend
-
     original, bound = dist.TCPStore, tcp_store_listening_on(host)
     dist.TCPStore = c10d_rendezvous_backend.TCPStore = bound  # type: ignore[misc]  # read when called
     try:
@@ -180,8 +181,6 @@ def replica_from_environ(replicas: int) -> int:
     """This process's replica group (``$REPLICA_GROUP_ID``, 0 when unset) under per-step fault tolerance."""
     raw = os.environ.get(REPLICA_ENV, "0")
     if not raw.isdigit() or int(raw) >= replicas:
-        from mlscale.errors import UsageError
-
         raise UsageError(f"bad value {REPLICA_ENV}={raw!r}: per-step fault tolerance with --workers {replicas} "
                          f"runs replica groups 0..{replicas - 1}; each host sets its own")
     return int(raw)

@@ -35,8 +35,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from mlscale.common.io import atomic_write_json, read_records
 from mlscale.faultspec import ANY_RANK, Fault, parse_fault
-from mlscale.io import atomic_write_json, read_records
 from mlscale.rundir import RunDir
 
 

@@ -7,6 +7,7 @@ through torch's elastic launcher (the API behind torchrun).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 import re
@@ -17,13 +18,18 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import torch
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+from mlscale.common.io import atomic_write
 from mlscale.config import TrainConfig, flatten, merged, validated
 from mlscale.data.dataset import MapData
 from mlscale.data.loader import check_a_batch_fits
 from mlscale.data.parquet import ParquetData, check_shardable
 from mlscale.data.tensors import TensorData
 from mlscale.errors import UsageError, WorkerFailed
-from mlscale.io import atomic_write
 from mlscale.rundir import RunDir
 from mlscale.tasks import make_task
 from mlscale.train.checkpoint import Checkpointer
@@ -34,6 +40,7 @@ from mlscale.train.recovery import KNOCK_ON
 from mlscale.train.replica_groups import launch_replica_groups
 from mlscale.train.strategies import strategy_for
 from mlscale.train.trainer import JOB_START_ENV
+from mlscale.train.warm import worker_command
 from mlscale.train.worker import run_worker, save_traceback
 
 _TIMEOUT = re.compile(r"timed out|timeout", re.I)
@@ -50,7 +57,8 @@ def fit(config: TrainConfig, *, keep_group: bool = False) -> dict[str, Any]:
         # Under torchrun every rank does this; rank 0 rewrites config.json atomically with the same
         # merge, so a rank reading it before or after the rewrite gets the same configuration.
         config = resumed_config(config)
-    task = make_task(config.task, config.task_options)  # fail fast, with exit 2, on a bad task
+    # fail fast, with exit 2, on a bad task; the text task tokenizes here, once, in --data-workers processes
+    task = make_task(config.task, config.task_options, data_workers=config.data.data_workers)
     data = task.train_data()
     plan = plan_job(config, data=data)  # the one place the job's layout and length are worked out
     check_job(config, plan, data, task.build_model, task.tp_plan, eval_data=task.eval_data())
@@ -82,7 +90,7 @@ def check_only(config: TrainConfig) -> str:
     """What ``fit`` checks before a worker starts, for a job of ``$WORLD_SIZE`` processes when set (the
     torchrun variable: how a Kubernetes Job's check container sizes it), else of ``--workers``.
     Returns a one-line summary; a mistake is a ``UsageError``."""
-    task = make_task(config.task, config.task_options)
+    task = make_task(config.task, config.task_options, data_workers=config.data.data_workers)
     given = os.environ.get("WORLD_SIZE", "")
     data = task.train_data()
     plan = plan_job(config, world=int(given) if given.isdigit() and int(given) > 0 else None, data=data)
@@ -134,13 +142,11 @@ def check_job(config: TrainConfig, plan: JobPlan, data: TensorData | ParquetData
               eval_data: TensorData | MapData | None = None) -> None:
     """Everything about the job that can be checked before a worker starts: a mistake is one line and
     exit 2 here, not a worker's traceback later."""
-    import torch
-
     strategy, world = strategy_for(config), plan.world
     strategy.check(config, world)
     if "tensorboard" in config.records.log:
         try:
-            import torch.utils.tensorboard
+            import torch.utils.tensorboard as _tensorboard  # noqa: F401 (whether it imports)
         except ImportError:
             raise UsageError("bad value log='tensorboard': needs the tensorboard package (pip install "
                              "'mlscale[tensorboard]')") from None
@@ -154,8 +160,7 @@ def check_job(config: TrainConfig, plan: JobPlan, data: TensorData | ParquetData
         if not isinstance(data, MapData):
             raise UsageError(f"bad value data-threads={config.data.data_threads}: threads read a Dataset's items; "
                              "this task's data is in memory or Parquet (use --data-workers)")
-    if config.strategy == "pipeline" and isinstance(data, MapData):
-        strategy.check_fixed_shapes(data)  # type: ignore[attr-defined]
+    strategy.check_data(config, data)
     named = _named_inputs(data)
     if build_model is not None and (strategy.checks_model(config) or named):  # (a model may import a large library)
         try:
@@ -200,8 +205,6 @@ def _named_inputs(data: Any) -> list[str]:
 
 def check_takes(model: Any, names: list[str]) -> None:
     """Refuse dict inputs whose keys the model's ``forward`` does not take (unless it takes ``**kwargs``)."""
-    import inspect
-
     try:
         parameters = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
@@ -254,16 +257,22 @@ def _run_here(config: TrainConfig, plan: JobPlan, run_dir: RunDir, rank: int,
 
 
 def _launch_local(config: TrainConfig, plan: JobPlan, run_dir: RunDir) -> None:
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    _quiet_elastic_logs()
-    _cheap_rendezvous_event_names()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     for name, value in private_environment(LOCAL_HOST).items():  # the workers listen on loopback only
         os.environ.setdefault(name, value)
+    # The zygote first, while this process may still be forked (one thread: the agent's store has none yet).
+    with worker_command(run_dir.warm_starts_path) as command:
+        _quiet_elastic_logs()
+        _cheap_rendezvous_event_names()
+        _run_agent(config, plan, run_dir, command)
+
+
+def _run_agent(config: TrainConfig, plan: JobPlan, run_dir: RunDir, command: tuple[str, ...]) -> None:
+    """torch's elastic agent, in this process, starting ``python COMMAND RUN_DIR`` for each worker and
+    restarting them all on a failure (up to ``--max-restarts``)."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
     launch = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=plan.world,
         run_id=f"mlscale-{uuid.uuid4().hex[:8]}",
@@ -274,7 +283,7 @@ def _launch_local(config: TrainConfig, plan: JobPlan, run_dir: RunDir) -> None:
     )
     try:
         with stores_listening_on(LOCAL_HOST):  # the agent's, in this process
-            elastic_launch(launch, sys.executable)("-m", "mlscale.train", str(run_dir.path))
+            elastic_launch(launch, sys.executable)(*command, str(run_dir.path))
     except ChildFailedError as exc:
         rank, how = _root_cause(exc, config.recovery.collective_timeout_s)
         _write_failed_report(config, plan, run_dir, rank, how)
@@ -308,8 +317,6 @@ def _cheap_rendezvous_event_names() -> None:
     """torch's rendezvous names each event it records after its caller, found with ``inspect.stack()``:
     that builds source context for every frame, 1.6 s of CPU per job on 2 cores (18 calls, more on
     every restart; profiled, torch 2.13), for a name nobody reads. The same name, from the frame itself."""
-    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
-
     def get_method_name(depth: int = 2) -> str:
         try:
             return sys._getframe(depth).f_code.co_name  # inspect.stack()[depth] is the same frame

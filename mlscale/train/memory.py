@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 MB = 2**20
 
@@ -27,8 +28,6 @@ def _holders(tensor: torch.Tensor) -> list[torch.Tensor]:
     """The plain tensors whose storages hold ``tensor``'s bytes on this rank: a DTensor's local shard, a
     wrapper subclass's inner tensors (a functional collective's ``AsyncCollectiveTensor``, which tp's
     layers return and activation checkpointing saves, has no storage of its own)."""
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
     tensor = _local(tensor)
     if not is_traceable_wrapper_subclass(tensor):
         return [tensor]

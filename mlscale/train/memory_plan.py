@@ -23,6 +23,7 @@ flight on it (every one under gpipe; under 1f1b at most ``stages - s`` on stage 
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -30,7 +31,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
 from mlscale.config import TrainConfig, flatten, merged, read_config_file, validated
 from mlscale.data.batches import Tree, call_model, chunk, rows, tree_map
@@ -47,47 +53,35 @@ from mlscale.train.parallelize import (
     param_count,
     tp_plan,
 )
+from mlscale.train.plan import MeshDims
 from mlscale.train.stages import balance
-from mlscale.train.strategies import strategy_class
+from mlscale.train.strategies import STRATEGIES
+from mlscale.train.strategy import Strategy
 from mlscale.train.trainer import build_optimizer
 
 MB = 2**20
-PLANNED = ("ddp", "fsdp", "tp", "pipeline")
-# Options of one strategy only (declared so in mlscale.config): given to the layouts they apply to.
-PIPELINE_ONLY = ("microbatches", "schedule", "stages")
-NOT_PIPELINE = ("activation_checkpointing", "ac_every", "grad_accum", "tp")
 
 
 @dataclass(frozen=True)
 class Layout:
-    """How a job of ``processes`` processes splits the model: ``tp`` ranks per block, ``stages`` pipeline
-    stages, the rest data-parallel (replicas under ddp and pipeline, shards under fsdp)."""
+    """A strategy on a mesh (its degrees: data-parallel replicas or shards, tensor-parallel ranks per block,
+    pipeline stages), as the strategy plans it (``planned_meshes``)."""
 
-    strategy: str
-    processes: int
-    tp: int = 1
-    stages: int = 1
+    strategy: type[Strategy]
+    mesh: MeshDims
+
+    @property
+    def splitting(self) -> int:
+        """The processes one step's model is split over (sharded, or its blocks split): the fake group."""
+        return self.mesh.dp_shard * self.mesh.tp
 
     @property
     def name(self) -> str:
-        if self.strategy == "ddp":
-            return "ddp" if self.processes == 1 else f"ddp x{self.processes}"
-        if self.strategy == "fsdp":
-            dp = self.processes // self.tp
-            return f"fsdp {dp}" if self.tp == 1 else f"fsdp {dp} x tp {self.tp}"
-        if self.strategy == "tp":
-            return f"tp {self.tp}"
-        replicas = self.processes // self.stages
-        return f"pipeline {self.stages}" + (f" x{replicas} replicas" if replicas > 1 else "")
+        return self.strategy.layout_name(self.mesh)
 
     def options(self) -> dict[str, Any]:
         """The ``mlscale train`` options of this layout."""
-        options: dict[str, Any] = {"strategy": self.strategy, "workers": self.processes}
-        if self.strategy == "fsdp" and self.tp > 1:
-            options["tp"] = self.tp
-        if self.strategy == "pipeline":
-            options["stages"] = self.stages
-        return options
+        return {"strategy": self.strategy.name, **self.strategy.layout_options(self.mesh)}
 
 
 @dataclass
@@ -156,8 +150,8 @@ class LayoutPlan:
 
     def as_dict(self, limit_mb: float | None) -> dict[str, Any]:
         largest = self.largest
-        return {"layout": self.layout.name, **self.layout.options(), "tp": self.layout.tp,
-                "stages": self.layout.stages, "refused": self.refused,
+        return {"layout": self.layout.name, **self.layout.options(), "tp": self.layout.mesh.tp,
+                "stages": self.layout.mesh.pp, "refused": self.refused,
                 "per_rank": None if largest is None else largest.as_mb(),
                 "ranks": [rank.as_mb() for rank in self.ranks], "fits": self.fits(limit_mb)}
 
@@ -188,23 +182,28 @@ class MemoryPlan:
 
 
 # -- which layouts a job of N processes allows ---------------------------------------------------------
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def planned() -> list[type[Strategy]]:
+    """The strategies ``mlscale plan`` predicts, in the order of their table."""
+    return [strategy for strategy in STRATEGIES.values() if not strategy.unplanned]
 
 
-def candidate_layouts(workers: int, strategies: Sequence[str] = PLANNED) -> list[Layout]:
-    """ddp on ``workers``; fsdp, tp and pipeline over every divisor of it from 2 (a job may use fewer
-    processes than it has); fsdp x tp over every factorisation of ``workers`` into two degrees from 2."""
-    degrees = [d for d in divisors(workers) if d > 1]
-    layouts = [Layout("ddp", workers)] if "ddp" in strategies else []
-    if "fsdp" in strategies:
-        layouts += [Layout("fsdp", d) for d in degrees]
-        layouts += [Layout("fsdp", workers, tp=t) for t in degrees if t < workers and workers // t > 1]
-    if "tp" in strategies:
-        layouts += [Layout("tp", t, tp=t) for t in degrees]
-    if "pipeline" in strategies:
-        layouts += [Layout("pipeline", workers, stages=p) for p in degrees]
-    return layouts
+def candidate_layouts(workers: int, strategies: Sequence[type[Strategy]]) -> list[Layout]:
+    """Every mesh each strategy plans for a job of ``workers`` processes (ddp on all of them; fsdp, tp and
+    pipeline over every divisor from 2; fsdp x tp over every split into two degrees from 2), in table order."""
+    return [Layout(strategy, mesh) for strategy in planned() if strategy in strategies
+            for mesh in strategy.planned_meshes(workers)]
+
+
+def _strategies(names: str) -> list[type[Strategy]]:
+    """``--strategy``'s comma-separated names, each a strategy ``mlscale plan`` predicts."""
+    known = {strategy.name: strategy for strategy in planned()}
+    unplanned = "; ".join(f"{strategy.name} {strategy.unplanned}" for strategy in STRATEGIES.values()
+                          if strategy.unplanned)
+    chosen = [name.strip() for name in names.split(",") if name.strip()]
+    for name in chosen:
+        if name not in known:
+            raise UsageError(f"bad value strategy={name!r}: mlscale plan plans {', '.join(known)} ({unplanned})")
+    return [known[name] for name in chosen]
 
 
 # -- fake tensors on a fake process group ----------------------------------------------------------------
@@ -213,9 +212,6 @@ def fake_world(processes: int) -> Iterator[None]:
     """A process group of ``processes`` ranks in which this process is rank 0 and every collective returns
     at once without moving data (torch's ``fake`` backend): what lets ``fully_shard`` and
     ``parallelize_module`` split a model as on that many ranks, in one process."""
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
-
     if processes == 1:
         yield
         return
@@ -227,8 +223,6 @@ def fake_world(processes: int) -> Iterator[None]:
 
 
 def fake_mode() -> Any:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     # The meta-built model is turned into fake tensors inside the mode (to_empty), so meta and real
     # inputs (a model's real buffers) are taken as they come.
     return FakeTensorMode(allow_non_fake_inputs=True)
@@ -292,8 +286,6 @@ def eager_mask_paths() -> Iterator[None]:
     is being traced (dynamo, jit, a CUDA graph), not whether a tensor is fake, and finds no packed
     sequences in fake positions. A model whose mask then needs values (a padding mask) fails as any read
     of a fake value fails, and its layout is reported as not estimated."""
-    import sys
-
     masking = sys.modules.get("transformers.masking_utils")
     tracing = getattr(masking, "is_tracing", None)
     packed = getattr(masking, "find_packed_sequence_indices", None)
@@ -305,8 +297,6 @@ def eager_mask_paths() -> Iterator[None]:
         return bool(tracing(None))
 
     def packed_sequences(position_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        from torch._subclasses.fake_tensor import FakeTensor
-
         return None if isinstance(position_ids, FakeTensor) else packed(position_ids, *args, **kwargs)
 
     masking.is_tracing, masking.find_packed_sequence_indices = tracing_anything, packed_sequences
@@ -328,42 +318,30 @@ class _Planner:
     def build(self) -> nn.Module:
         return build_on_meta(lambda: self.task.build_model().to(dtype=self.dtype))
 
-    def split(self, model: nn.Module, layout: Layout) -> None:
-        """What ``FSDPStrategy.wrap`` and ``TensorParallelStrategy.wrap`` do, on the fake group."""
-        from torch.distributed.device_mesh import init_device_mesh
-
-        if layout.strategy == "fsdp" and layout.tp == 1:
-            apply_fsdp(model, init_device_mesh("cpu", (layout.processes,), mesh_dim_names=("dp",)))
-        elif layout.strategy == "fsdp":
-            mesh = init_device_mesh("cpu", (layout.processes // layout.tp, layout.tp), mesh_dim_names=("dp", "tp"))
-            apply_tp(model, mesh["tp"], tp_plan(model, self.task.tp_plan))
-            apply_fsdp(model, mesh["dp"])
-        elif layout.strategy == "tp":
-            mesh = init_device_mesh("cpu", (layout.tp,), mesh_dim_names=("tp",))
-            apply_tp(model, mesh, tp_plan(model, self.task.tp_plan))
+    def split(self, model: nn.Module, mesh: MeshDims) -> None:
+        """What the strategies' ``wrap`` does, on the fake group: tensor parallelism over ``tp`` ranks, then
+        FSDP2 over ``dp_shard`` (torchtitan's order), as the layout's mesh enables them."""
+        degrees = {name: degree for name, degree in (("dp", mesh.dp_shard), ("tp", mesh.tp)) if degree > 1}
+        if not degrees:
+            return
+        device_mesh = init_device_mesh("cpu", tuple(degrees.values()), mesh_dim_names=tuple(degrees))
+        if mesh.tp_enabled:
+            apply_tp(model, device_mesh["tp"], tp_plan(model, self.task.tp_plan))
+        if mesh.dp_shard_enabled:
+            apply_fsdp(model, device_mesh["dp"])
 
     def check(self, layout: Layout, config: TrainConfig, model: nn.Module) -> None:
         """The checks ``mlscale train`` makes of this layout before a worker starts (one line each), on
         ``model`` built on the meta device."""
-        strategy = strategy_class(layout.strategy)
-        strategy.check(config, layout.processes)
-        if layout.strategy == "pipeline":  # split by its blocks, balanced as mlscale.train.stages balances them
-            found = block_container(model)
-            if found is None:
-                raise UsageError("no repeated blocks (a ModuleList, ModuleDict or Sequential of same-typed "
-                                 "modules) to split into stages")
-            blocks = sum(1 for child in found[1].children() if param_count(child))
-            if blocks < layout.stages:
-                raise UsageError(f"bad value stages={layout.stages}: the model has only {blocks} blocks to split")
-        else:
-            strategy.check_model(config, model, layout.processes, self.task.tp_plan)
+        layout.strategy.check(config, layout.mesh.size)
+        layout.strategy.check_planned(config, model, layout.mesh.size, self.task.tp_plan)
 
     def step(self, layout: Layout, model: nn.Module) -> RankBytes:
         """Rank 0's bytes after one step of ``layout`` of ``model`` (built on the meta device), and its
         activations with checkpointing."""
         config = self.config
-        with fake_world(layout.processes if layout.strategy in ("fsdp", "tp") else 1):
-            self.split(model, layout)
+        with fake_world(layout.splitting):
+            self.split(model, layout.mesh)
             with fake_mode():
                 model.to_empty(device="cpu")
                 inputs, targets = _fake_batch(self.example, config.step_batch, config.grad_accum)
@@ -402,13 +380,13 @@ class _Planner:
             optimizer = _stepped(config, model.parameters())
             plans = {}
             for layout in layouts:
-                stages = _stage_units(units, layout.stages)
+                stages = _stage_units(units, layout.mesh.pp)
                 ranks = []
                 for stage, names in enumerate(stages):
                     params = list({id(p): p for name in names for p in units.params[name]}.values())
                     state = _state_bytes(params, optimizer)
                     in_flight = config.pipeline.microbatches if config.pipeline.schedule == "gpipe" else \
-                        min(config.pipeline.microbatches, layout.stages - stage)
+                        min(config.pipeline.microbatches, layout.mesh.pp - stage)
                     activations = sum(saved.by_unit.get(name, 0) for name in names) * in_flight
                     ranks.append(RankBytes(state["params"], state["grads"], state["optimizer"], activations, None,
                                            stage))
@@ -421,8 +399,6 @@ def _stepped(config: TrainConfig, params: Iterator[nn.Parameter]) -> torch.optim
     tensors are stepped with the multi-tensor kernels: the same state tensors as the per-tensor loop a CPU
     run uses, in a fraction of the operations (each costs the same on fake tensors whatever its size);
     split (DTensor) ones by the per-tensor loop, which takes a mix of split and whole parameters."""
-    from torch.distributed.tensor import DTensor
-
     params = list(params)
     optimizer = build_optimizer(config, params)
     if not any(isinstance(param, DTensor) for param in params):
@@ -537,11 +513,11 @@ class _SavedByUnit(SavedActivations):
 
 
 # -- the plan ----------------------------------------------------------------------------------------------
-def _config(base: dict[str, Any], layout: Layout | None) -> TrainConfig:
-    """``base`` validated for ``layout`` (its strategy's options only: another's are dropped, not refused)."""
-    drop = NOT_PIPELINE if layout is not None and layout.strategy == "pipeline" else PIPELINE_ONLY
-    values = {key: value for key, value in base.items() if key not in drop}
-    return validated(merged(values, layout.options() if layout else {}))
+def _config(base: dict[str, Any], strategy: type[Strategy], options: dict[str, Any]) -> TrainConfig:
+    """``base`` validated with a layout's ``options`` (its ``strategy``'s options only: another's are
+    dropped, not refused)."""
+    values = {key: value for key, value in base.items() if key not in strategy.plan_ignores}
+    return validated(merged(values, options))
 
 
 def plan_memory(options: dict[str, Any], config_file: str | None = None, default_workers: int = 1) -> MemoryPlan:
@@ -550,22 +526,18 @@ def plan_memory(options: dict[str, Any], config_file: str | None = None, default
     the strategies to plan, comma-separated, default all; ``workers`` when neither gives it:
     ``default_workers``) predicted. A bad task or option is a
     ``UsageError`` (one line); a layout the model cannot take is listed with why."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         raise UsageError("mlscale plan runs outside a distributed job (it makes process groups of its own)")
     start = time.perf_counter()
     base = {**(flatten(read_config_file(config_file)) if config_file else {}),
             **{key: value for key, value in options.items() if value is not None}}
-    strategies = [name.strip() for name in str(base.pop("strategy", ",".join(PLANNED))).split(",") if name.strip()]
-    for name in strategies:
-        if name not in PLANNED:
-            raise UsageError(f"bad value strategy={name!r}: mlscale plan plans {', '.join(PLANNED)} (ps keeps the "
-                             "whole model on every worker and the parameters on its servers)")
+    strategies = _strategies(str(base.pop("strategy", ",".join(strategy.name for strategy in planned()))))
     base.pop("run_dir", None)
     base.setdefault("workers", default_workers)
-    config = _config(base, None)
-    pipeline_config = _config(base, Layout("pipeline", 2, stages=2)) if "pipeline" in strategies else config
+    config = _config(base, STRATEGIES[TrainConfig.model_fields["strategy"].default], {})
+    # The pipeline's options (the stage pass's and the report's), validated once, on the smallest staged layout.
+    staged = [layout for layout in candidate_layouts(2, strategies) if layout.mesh.pp_enabled]
+    pipeline_config = _config(base, staged[0].strategy, staged[0].options()) if staged else config
     config = config.model_copy(update={"pipeline": pipeline_config.pipeline})
     task = make_task(config.task, config.task_options)
     checkpointing = config.model.activation_checkpointing
@@ -579,10 +551,10 @@ def plan_memory(options: dict[str, Any], config_file: str | None = None, default
             plan = LayoutPlan(layout)
             plans.append(plan)
             try:
-                layout_config = _config(base, layout)
+                layout_config = _config(base, layout.strategy, layout.options())
                 model = planner.build()
                 planner.check(layout, layout_config, model)
-                if layout.strategy == "pipeline":
+                if layout.mesh.pp_enabled:
                     pipelines.append(layout)
                     continue
                 planner.config = layout_config

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import torch.utils.checkpoint
 from torch import nn
 
 from mlscale.errors import UsageError
@@ -87,8 +88,6 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 1) 
 
 
 def _checkpoint_forward(block: nn.Module) -> None:
-    import torch.utils.checkpoint
-
     forward = block.forward
 
     def recomputed(*args: object, **kwargs: object) -> object:

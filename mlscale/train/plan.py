@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mlscale.io import atomic_write_json
+from mlscale.common.io import atomic_write_json
 
 
 @dataclass(frozen=True)

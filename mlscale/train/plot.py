@@ -7,12 +7,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mlscale.common.plotting import pyplot, save_figure
 from mlscale.rundir import RunDir
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    from mlscale.plotting import pyplot, save_figure
-
     plt = pyplot()
     from matplotlib.ticker import FuncFormatter
     run = RunDir(run_dir)

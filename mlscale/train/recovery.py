@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from mlscale.common.io import append_jsonl, read_jsonl, read_records
 from mlscale.errors import first_line
-from mlscale.io import append_jsonl, read_jsonl, read_records
 from mlscale.rundir import RunDir
 
 _RECORD = struct.Struct("<qd")  # completed steps, unix time

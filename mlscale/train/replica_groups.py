@@ -28,6 +28,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from mlscale.config import TrainConfig
 from mlscale.errors import UsageError, WorkerFailed
 from mlscale.rundir import RunDir
@@ -68,8 +70,6 @@ def lighthouse(config: TrainConfig) -> Iterator[str]:
 def gpus_per_group(config: TrainConfig) -> list[list[str]] | None:
     """The CUDA devices of each group's torchrun (each numbers its workers' LOCAL_RANK from 0), or None on
     the CPU. Several groups on one device would break NCCL, so too few devices is a usage error."""
-    import torch
-
     if config.compute.device == "cpu" or not torch.cuda.is_available():
         return None
     needed, count = config.workers * config.torchft.group_size, torch.cuda.device_count()

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mlscale.io import append_jsonl, read_jsonl
+from mlscale.common.io import append_jsonl, read_jsonl
 from mlscale.rundir import RunDir
 
 

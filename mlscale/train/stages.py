@@ -52,6 +52,7 @@ from itertools import pairwise
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
@@ -237,8 +238,6 @@ def send_contiguous(stage: Any) -> None:
     torch's stage sends what the stage's code returns as it is, and gloo (like NCCL's copy) refuses a
     view: a block written sequence-first that hands its output back transposed, a user's module slicing
     a Hugging Face model's hidden states, a gradient through a transpose. A copy only where one is a view."""
-    import torch.distributed as dist
-
     for name in ("get_fwd_send_ops", "get_bwd_send_ops"):
         sends = getattr(stage, name)
 

@@ -180,6 +180,12 @@ class Setup:
     ready: Callable[[], None] = lambda: None
 
 
+def split_degrees(workers: int) -> list[int]:
+    """The degrees a job of ``workers`` processes can be split over: its divisors from 2 (a job may use fewer
+    processes than it has)."""
+    return [degree for degree in range(2, workers + 1) if workers % degree == 0]
+
+
 class Strategy(ABC):
     name: ClassVar[str]
     # The options model this strategy owns (its group in TrainConfig, refused under other strategies);
@@ -190,6 +196,11 @@ class Strategy(ABC):
     # A restarted process gets the training state from a live peer (per-step fault tolerance), not from
     # the newest checkpoint; the others never restart.
     recovers_live: ClassVar[bool] = False
+    # Why ``mlscale plan`` does not predict this strategy's memory ("": it does, on ``planned_meshes``).
+    unplanned: ClassVar[str] = ""
+    # Options ``mlscale plan`` may be given for other strategies' layouts that this one's leave out (one plan
+    # covers every strategy: an option of one strategy only goes to the layouts it applies to).
+    plan_ignores: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, env: DistEnv, config: TrainConfig, plan: JobPlan) -> None:
         self.env, self.config, self.plan = env, config, plan
@@ -236,6 +247,37 @@ class Strategy(ABC):
         """Refuse a model this strategy cannot split (given on the meta device: structure, no weights;
         ``task_tp_plan``: the task's tensor-parallel plan, if it declares one)."""
         return None
+
+    @classmethod
+    def check_data(cls, config: TrainConfig, data: Any) -> None:
+        """Refuse training data this strategy cannot take (a Dataset, in memory or Parquet), before any
+        process starts."""
+        return None
+
+    # -- the layouts mlscale plan predicts (asked by mlscale.train.memory_plan, before anything runs) ---
+    @classmethod
+    def planned_meshes(cls, workers: int) -> list[MeshDims]:
+        """The meshes a job of ``workers`` processes may run this strategy on, each predicted by ``mlscale
+        plan``: by default every process a replica of its own (the default ``mesh``)."""
+        return [] if cls.unplanned else [MeshDims(dp_replicate=workers)]
+
+    @classmethod
+    def layout_options(cls, mesh: MeshDims) -> dict[str, Any]:
+        """The ``mlscale train`` options (besides ``--strategy``) that run this strategy on ``mesh``: the
+        inverse of ``mesh``, so that a planned layout is one ``mlscale train`` can be asked for."""
+        return {"workers": mesh.size}
+
+    @classmethod
+    def layout_name(cls, mesh: MeshDims) -> str:
+        """How ``mlscale plan`` names this strategy on ``mesh`` (the degrees a user would choose)."""
+        return cls.name if mesh.size == 1 else f"{cls.name} x{mesh.size}"
+
+    @classmethod
+    def check_planned(cls, config: TrainConfig, model: nn.Module, world: int,
+                      task_tp_plan: dict[str, str] | None = None) -> None:
+        """``check_model`` as ``mlscale plan`` makes it, of a layout it predicts without running the strategy
+        (a strategy whose check needs more than the plan's fake step checks what the plan relies on)."""
+        cls.check_model(config, model, world, task_tp_plan)
 
     @property
     def keeps_records(self) -> bool:

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from mlscale.common.io import append_jsonl, read_jsonl
 from mlscale.config import TrainConfig
 from mlscale.data import Position, ShardLoader
 from mlscale.data.batches import call_model, rows, take, to_device
@@ -30,7 +31,6 @@ from mlscale.data.parquet import ParquetData, ParquetLoader, check_resumable
 from mlscale.data.pipeline import DatasetLoader, PipelineLoader, StreamLoader, autotune_workers, describe_choice
 from mlscale.data.threads import ThreadLoader
 from mlscale.errors import MlscaleError
-from mlscale.io import append_jsonl, read_jsonl
 from mlscale.lineage import data_fingerprint
 from mlscale.rundir import RunDir
 from mlscale.tasks import TensorData, make_task

@@ -15,6 +15,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
 from mlscale.config import TrainConfig
 from mlscale.errors import MlscaleError, first_line
 from mlscale.rundir import RunDir
@@ -67,7 +69,6 @@ def main(argv: list[str] | None = None) -> int:
         rank = member_from_environ(config.replica_groups)
         run_worker(config, run_dir, JobPlan.read(run_dir.plan_path), destroy_group=False)
     except BaseException as exc:  # reported to the agent, then exit 1
-        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
         save_traceback(run_dir, rank, exc)
         record_failure(run_dir, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)), rank, exc)

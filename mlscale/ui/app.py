@@ -31,8 +31,8 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from mlscale.common.redact import redact_url
 from mlscale.errors import MlscaleError, UsageError
-from mlscale.redact import redact_url
 from mlscale.ui.registry import RegistryView
 from mlscale.ui.runs import RunCatalog
 from mlscale.ui.serving import ServerBoard

@@ -20,6 +20,7 @@ import os
 import re
 import threading
 import time
+import warnings
 from array import array
 from dataclasses import dataclass, field
 from itertools import chain
@@ -711,8 +712,6 @@ class RunView:
 
 
 def _nanmean(values: np.ndarray, axis: int) -> np.ndarray:
-    import warnings
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         return np.nanmean(values, axis=axis)

@@ -10,10 +10,13 @@ import sys
 import threading
 from pathlib import Path
 
-from mlscale.connections import open_file_connection_limit, protocol_with
+import uvicorn
+
+from mlscale.common.connections import open_file_connection_limit, protocol_with
+from mlscale.common.log_limits import limit_client_fed_logs
+from mlscale.common.redact import redact_url
 from mlscale.errors import MlscaleError, UsageError
-from mlscale.log_limits import limit_client_fed_logs
-from mlscale.redact import redact_url
+from mlscale.registry import Registry
 from mlscale.ui.app import TOKEN_ENV, UiSettings, build_app, is_loopback
 from mlscale.ui.runs import RunCatalog
 
@@ -42,8 +45,6 @@ def settings_from(runs: str | None, registry: str | None, servers: list[str], ho
     if registry is None and Path("mlscale-registry", "registry.db").exists():
         registry = "mlscale-registry"
     if registry is not None:
-        from mlscale.registry import Registry
-
         Registry(registry, create=False)  # an error now, not on the page: no such registry, unreachable
     for url in servers:
         if not url.startswith(("http://", "https://")):
@@ -75,8 +76,6 @@ def _read_ahead(catalog: RunCatalog) -> None:
 
 def run_ui(settings: UiSettings, host: str, port: int) -> int:
     """Serve until interrupted; the address (never the token) is printed once listening."""
-    import uvicorn
-
     sock = bind(host, port)
     shown_host = f"[{host}]" if ":" in host else host
     address = f"http://{shown_host}:{sock.getsockname()[1]}/"

@@ -26,7 +26,7 @@ from typing import Any
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
-from mlscale.redact import redact_url
+from mlscale.common.redact import redact_url
 
 MIN_INTERVAL_S = 1.0
 HISTORY = 300  # scrapes kept per server (5 minutes at one a second)
@@ -86,6 +86,11 @@ class Scrape:
     at: float
     samples: dict[tuple[str, tuple[tuple[str, str], ...]], float] = field(default_factory=dict)
     stats: list[dict[str, Any]] = field(default_factory=list)
+
+    def has(self, name: str, **labels: str) -> bool:
+        """Some series of ``name`` has ``labels``."""
+        want = set(labels.items())
+        return any(n == name and want <= set(ls) for n, ls in self.samples)
 
     def value(self, name: str, **labels: str) -> float:
         """The sum over every series of ``name`` whose labels include ``labels`` (0 if none)."""
@@ -267,7 +272,46 @@ class ServerWatch:
             "queue": now.value("mlscale_inference_pending_request_count", **labels),
             "cache_hit_rate": hits / (hits + misses) if hits + misses > 0 else None,
             "skew": dict(sorted(skew.items())),
+            "generation": _generation(now, before, span, labels),
         }
+
+
+def _generation(now: Scrape, before: Scrape | None, span: float | None,
+                labels: dict[str, str]) -> dict[str, Any] | None:
+    """A language model version's text generation (None for any other): token latencies over the interval,
+    tokens per second in and out, sequences running and waiting, preemptions, KV blocks and the prefix
+    cache's hit rate (the share of full prompt blocks found cached), from ``mlscale_generation_*``."""
+    if not now.has("mlscale_generation_kv_blocks_capacity", **labels):
+        return None
+
+    def increase(family: str) -> float:
+        value = now.value(family, **labels)
+        return _increase(value, before.value(family, **labels)) if before is not None else value
+
+    def latency(family: str) -> dict[str, float | None]:
+        buckets = now.buckets(family, **labels)
+        if before is not None:
+            buckets = _delta_buckets(buckets, before.buckets(family, **labels))
+        return {q: _ms(quantile(buckets, p)) for q, p in (("p50", 0.5), ("p99", 0.99))}
+
+    used, blocks = (now.value(f"mlscale_generation_kv_blocks_{kind}", **labels) for kind in ("used", "capacity"))
+    queries, hits = (increase(f"mlscale_generation_prefix_cache_{kind}") for kind in ("queries", "hits"))
+
+    def per_s(family: str) -> float | None:  # a rate needs two scrapes
+        return increase(family) / span if before is not None and span else None
+
+    return {
+        "ttft_ms": latency("mlscale_generation_time_to_first_token_seconds"),
+        "itl_ms": latency("mlscale_generation_inter_token_latency_seconds"),
+        "tpot_ms": latency("mlscale_generation_time_per_output_token_seconds"),
+        "prompt_tokens_per_s": per_s("mlscale_generation_prompt_tokens"),
+        "generated_tokens_per_s": per_s("mlscale_generation_generated_tokens"),
+        "running": now.value("mlscale_generation_sequences_running", **labels),
+        "waiting": now.value("mlscale_generation_sequences_waiting", **labels),
+        "preemptions": now.value("mlscale_generation_preemptions", **labels),
+        "kv_blocks_used": used, "kv_blocks": blocks, "kv_usage": used / blocks if blocks else None,
+        "prefix_hit_rate": hits / queries if queries else None,
+    }
 
 
 def _parameter(value: Any) -> Any:

@@ -81,8 +81,10 @@ def test_the_images_suite_measures_every_system_and_s3_with_tiny_settings(tmp_pa
 
 def test_the_text_suite_measures_packing_against_a_plain_loop(tmp_path):
     result = run_cli("bench", "data", "--suite", "text", "--documents", "300", "--seq-len", "64", "--repeats", "1",
-                     "--out", str(tmp_path), timeout=300)
+                     "--tokenize-workers", "2", "--out", str(tmp_path), timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     text = json.loads((tmp_path / "data.json").read_text())["text"]
     assert set(text["tokens_per_s"]) == {"plain", "mlscale first epoch", "mlscale later epochs"}
     assert text["later_vs_plain"] > 1  # reading a token file beats tokenizing again, even here
+    assert set(text["tokenize_pass"]["tokens_per_s"]) == {"threads", "2 processes"}
+    assert text["tokenize_pass"]["processes_vs_threads"] > 0

@@ -6,11 +6,12 @@ from pathlib import Path
 
 import pytest
 
-from mlscale.bench import checkpoint, export, serve
+from mlscale.bench import checkpoint, export, recovery, serve, startup
 from tests.helpers import REPO
 
 
-@pytest.mark.parametrize(("module", "name"), [(checkpoint, "checkpoint"), (export, "export"), (serve, "serve")])
+@pytest.mark.parametrize(("module", "name"), [(checkpoint, "checkpoint"), (export, "export"), (serve, "serve"),
+                                            (recovery, "recovery"), (startup, "startup")])
 def test_each_benchmark_plot_is_written_and_not_empty(module, name, tmp_path):
     results = json.loads((REPO / "bench" / "results" / name / f"{name}.json").read_text())
     out = tmp_path / f"{name}.png"

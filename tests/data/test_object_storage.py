@@ -107,7 +107,7 @@ def test_reads_are_retried_on_errors_that_pass_and_not_on_a_missing_object():
 def test_two_workers_train_on_images_in_a_bucket_with_data_workers(s3, tmp_path):  # s3: the server, the environment
     run_dir = tmp_path / "run"
     result = run_cli("train", "--task", "images", "--task-opt", "root=s3://bucket/tree", "--task-opt", "size=16",
-                     "--task-opt", "width=4", "--workers", "2", "--batch-size", "4", "--epochs", "2",
+                     "--task-opt", "width=8", "--workers", "2", "--batch-size", "4", "--epochs", "2",
                      "--data-workers", "1", "--data-cache-mb", "64", "--no-progress", "--run-dir", str(run_dir),
                      timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]

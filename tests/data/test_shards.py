@@ -105,7 +105,7 @@ def test_task_images_trains_on_shards(written, tmp_path, kind):
     _, shards = written
     shards = shards if kind == "shards" else shards.parent / "parquet"
     result = run_cli("train", "--task", "images", "--task-opt", f"shards={shards}", "--task-opt", "size=16",
-                     "--task-opt", "width=4", "--workers", "2", "--batch-size", "3", "--epochs", "1",
+                     "--task-opt", "width=8", "--workers", "2", "--batch-size", "3", "--epochs", "1",
                      "--data-workers", "1", "--no-progress", "--run-dir", str(tmp_path / "run"), timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((tmp_path / "run" / "report.json").read_text())

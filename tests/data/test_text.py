@@ -5,12 +5,15 @@ another gets the outputs it gets alone, from tinylm and from a Hugging Face Llam
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
-from mlscale.data.text import PackedText, documents, position_ids, source_files, tokenize, train_tokenizer
+from mlscale.data.text import PackedText, position_ids, tokenize, train_tokenizer
+from mlscale.data.tokens import count_documents, document_range, documents, source_files
 from mlscale.errors import UsageError
+from mlscale.tasks import make_task
 from mlscale.tasks.tinylm import TinyLM, make_corpus
 from tests.helpers import run_cli
 
@@ -62,6 +65,48 @@ def test_the_text_is_tokenized_once_and_again_when_a_file_changes(corpus, tmp_pa
     changed.write_text(json.dumps({"text": DOCS[0]}) + "\n")
     other, other_meta = tokenize(str(changed), str(corpus / "tokenizer.json"))
     assert other.filename != tokens.filename and other_meta["documents"] == 1
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    """A folder of JSONL (a blank line in it), Parquet (a null in it) and text files: ranges of documents cross
+    files and start inside them."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = tmp_path_factory.mktemp("mixed")
+    lines = [json.dumps({"text": doc}) + "\n" for doc in DOCS[:25]]
+    (root / "a.jsonl").write_text("".join(lines[:10]) + "\n" + "".join(lines[10:]))
+    pq.write_table(pa.table({"text": [*DOCS[25:30], None, *DOCS[30:35]]}), root / "b.parquet")
+    (root / "c.txt").write_text(DOCS[35])
+    (root / "d.jsonl").write_text("".join(json.dumps({"text": doc}) + "\n" for doc in DOCS[36:]))
+    return root
+
+
+def test_a_range_of_documents_is_that_slice_of_them_without_opening_the_files_before(mixed):
+    files = source_files(str(mixed))
+    every = list(documents(files))
+    counts = [count_documents(name) for name in files]
+    assert every == DOCS and counts == [25, 10, 1, 24]
+    for start, stop in ((0, 60), (3, 12), (25, 26), (30, 36), (35, 37), (59, 60), (20, 20)):
+        assert list(document_range(files, counts, start, stop)) == every[start:stop]
+    assert list(document_range([files[0], "gone.jsonl"], [25, 5], 0, 25)) == DOCS[:25]  # not opened
+
+
+def test_tokens_made_by_two_worker_processes_are_the_bytes_one_process_makes(mixed, corpus, tmp_path, monkeypatch):
+    made = {}
+    for workers in (0, 2):
+        monkeypatch.setenv("MLSCALE_CACHE_DIR", str(tmp_path / f"cache-{workers}"))
+        tokens, meta = tokenize(str(mixed), str(corpus / "tokenizer.json"), workers=workers)
+        made[workers] = (Path(tokens.filename).read_bytes(), meta)
+        assert not [p for p in Path(tokens.filename).parent.iterdir() if p.name.startswith(".")]  # no parts left
+    assert made[2] == made[0] and made[0][1]["documents"] == len(DOCS)
+
+
+def test_data_workers_is_the_runs_setting_not_a_task_option(corpus):
+    with pytest.raises(UsageError, match="gives task 'text' its --data-workers"):
+        make_task("text", {"path": str(corpus / "docs.jsonl"), "tokenizer": str(corpus / "tokenizer.json"),
+                           "data_workers": 2})
 
 
 def _second_document(window: dict, targets: torch.Tensor) -> slice:
@@ -118,6 +163,7 @@ def test_task_text_trains_tinylm_on_the_files(corpus, tmp_path):
                      "--steps", "20", "--data-workers", "1", "--no-progress", "--run-dir", str(tmp_path / "run"),
                      timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr.count("in 1 data-worker process") == 1  # once, before the training workers start
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     assert report["data"]["dataset"] == "PackedText" and report["eval"]["perplexity"] < meta_vocab(corpus)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -325,3 +326,18 @@ def test_serving_workers_in_a_pod_need_the_cores_the_pod_requests(tmp_path):
     with pytest.raises(UsageError, match="give --cpu 4"):
         ServingDeployment("digits", "models:/digits/1", IMAGE, serve_args=("--workers=4",), cpu="2")
     ServingDeployment("digits", "models:/digits/1", IMAGE, serve_args=("--workers", "4"), cpu="4")
+
+
+def test_a_language_models_engine_flags_pass_through_and_its_kv_caches_must_fit_the_pod():
+    from mlscale.errors import UsageError
+
+    result = mlscale("k8s", "serve", "models:/lm@prod", "--image", IMAGE, "--memory", "2Gi", "--",
+                     "--kv-cache-mb", "512", "--max-sequences", "32")
+    assert result.returncode == 0, result.stderr
+    deployment = next(m for m in yaml.safe_load_all(result.stdout) if m["kind"] == "Deployment")
+    command = deployment["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert (_flag(command, "--kv-cache-mb"), _flag(command, "--max-sequences")) == ("512", "32")
+    refusal = re.escape("2 worker(s)' KV caches take 2048 MiB, over the pod's memory limit 2Gi")
+    with pytest.raises(UsageError, match=refusal):
+        ServingDeployment("lm", "models:/lm@prod", IMAGE, memory="2Gi", cpu="2",
+                          serve_args=("--kv-cache-mb=1024", "--workers", "2"))

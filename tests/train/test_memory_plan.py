@@ -6,12 +6,13 @@ fits marking against --memory-limit-mb, and one-line refusals."""
 
 from __future__ import annotations
 
+import ast
 import json
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import refused, run_cli
+from tests.helpers import REPO, refused, run_cli
 
 # The module's trained runs are built once, by the first test that needs them: that setup takes minutes
 # on 2 busy cores, more than the suite's 300 s per test (each run still has its own timeout).
@@ -113,6 +114,64 @@ def test_fits_is_marked_against_the_memory_limit():
     tiny = plan_memory({**options, "memory_limit_mb": min(ddp["total_checkpointed_mb"],
                                                           fsdp["total_checkpointed_mb"]) / 2}).as_dict()
     assert {layout["fits"] for layout in tiny["layouts"]} == {"no"}
+
+
+TINY = dict(task="tinylm", task_options={"dim": 32, "layers": 4, "seq_len": 16, "samples": 256}, batch_size=8,
+            dtype="float64", optimizer="adam")
+
+
+def test_a_new_strategy_is_planned_from_its_class_alone(monkeypatch):
+    """What a layout is (its meshes, options, name, checks, how its state is split) comes from the strategy
+    class: one registered beside the others is predicted without a line of memory_plan knowing it."""
+    from mlscale.config import STRATEGY_HELP
+    from mlscale.train.memory_plan import plan_memory
+    from mlscale.train.plan import MeshDims
+    from mlscale.train.strategies import STRATEGIES, FSDPStrategy
+
+    class WholeJobShards(FSDPStrategy):
+        name = "whole-job-shards"
+
+        @classmethod
+        def planned_meshes(cls, workers: int) -> list[MeshDims]:
+            return [MeshDims(dp_shard=workers)]  # sharded over the whole job only
+
+    monkeypatch.setitem(STRATEGY_HELP, WholeJobShards.name, "fsdp over every process")
+    monkeypatch.setitem(STRATEGIES, WholeJobShards.name, WholeJobShards)
+    ddp, ours = plan_memory({**TINY, "workers": 4, "strategy": "ddp,whole-job-shards"}).as_dict()["layouts"]
+    assert (ddp["layout"], ours["layout"]) == ("ddp x4", "whole-job-shards 4") and ours["refused"] is None
+    assert ours["strategy"] == "whole-job-shards" and ours["workers"] == 4
+    assert ours["per_rank"]["state_mb"] == pytest.approx(ddp["per_rank"]["state_mb"] / 4, rel=0.02)  # 4 shards
+
+
+def test_every_planned_layout_is_the_mesh_mlscale_train_runs_its_options_on():
+    """A layout's options (what the plan prints and --json gives) make the job planner choose the very mesh
+    the plan predicted: the plan never describes a layout mlscale train would not run."""
+    from mlscale.config import TrainConfig
+    from mlscale.train.memory_plan import candidate_layouts, planned
+    from mlscale.train.planner import plan_job
+
+    for workers in range(1, 9):
+        for layout in candidate_layouts(workers, planned()):
+            config = TrainConfig(task="tinylm", **layout.options())
+            assert plan_job(config).mesh == layout.mesh, (workers, layout.name)
+            assert layout.mesh.size == plan_job(config).processes <= workers
+
+
+@pytest.mark.parametrize("module", ["mlscale/train/memory_plan.py", "mlscale/train/planner.py", "mlscale/cli/plan.py",
+                                    "mlscale/train/launcher.py"])
+def test_the_plan_asks_the_strategy_classes_and_compares_no_strategy_name(module):
+    """A comparison with a strategy's name (``strategy == "fsdp"``, ``name in ("fsdp", "tp")``) is a branch
+    that a new strategy would have to be added to: the classes answer instead."""
+    from mlscale.config import STRATEGY_HELP
+
+    def names(node: ast.expr) -> list[str]:
+        items = node.elts if isinstance(node, (ast.Tuple, ast.List, ast.Set)) else [node]
+        return [item.value for item in items if isinstance(item, ast.Constant) and item.value in STRATEGY_HELP]
+
+    tree = ast.parse((REPO / module).read_text())
+    compared = [f"{module}:{node.lineno} {ast.unparse(node)}" for node in ast.walk(tree)
+                if isinstance(node, ast.Compare) and any(names(side) for side in [node.left, *node.comparators])]
+    assert compared == []
 
 
 def test_the_table_says_what_fits(tmp_path: Path):

@@ -39,11 +39,13 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed._serialization import _streaming_load
+from torch.distributed.tensor import DTensor
 
+from mlscale.common.io import atomic_write_json, read_jsonl, repair_jsonl
 from mlscale.config import TorchftOptions, TrainConfig
 from mlscale.data import Position
 from mlscale.errors import UsageError
-from mlscale.io import atomic_write_json, read_jsonl, repair_jsonl
 from mlscale.rundir import RunDir
 from mlscale.train.dist import JOB_START_ENV, bind_host, under_launcher
 from mlscale.train.strategies.ddp import DDPStrategy
@@ -92,7 +94,6 @@ def _safe_transport(timeout: timedelta, token: str, host: str | None) -> Any:
     and it reads what a peer sends as tensors and plain containers only (``torch.load(weights_only=True)``):
     a peer's bytes never name code to run. ``host``: the one address it listens on and gives its peers
     (None: every interface, named by host name, as torchft does)."""
-    from torch.distributed._serialization import _streaming_load
     from torchft.checkpointing import http_transport
     from torchft.http import _IPv6HTTPServer
 
@@ -198,8 +199,6 @@ def read_replica_logs(run_dir: str | Path | RunDir) -> dict[tuple[int, int], lis
 def _local(value: Any, copy: bool = False) -> Any:
     """A state dict with every DTensor replaced by this rank's shard (plain tensors travel everywhere);
     ``copy``: every tensor a copy (else views of the live ones)."""
-    from torch.distributed.tensor import DTensor
-
     if isinstance(value, DTensor):
         value = value.to_local()
     if isinstance(value, torch.Tensor):
@@ -214,8 +213,6 @@ def _local(value: Any, copy: bool = False) -> Any:
 def _as_parameters(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
     """A received optimizer state (plain tensors) shaped as this rank's parameters: a sharded parameter's
     per-parameter tensors (momentum, moments) become DTensors with its mesh and placements again."""
-    from torch.distributed.tensor import DTensor
-
     params = [param for group in optimizer.param_groups for param in group["params"]]
     for index, entry in state["state"].items():
         param = params[int(index)]

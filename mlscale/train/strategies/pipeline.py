@@ -41,10 +41,11 @@ from mlscale.data.dataset import MapData
 from mlscale.errors import MlscaleError, UsageError
 from mlscale.train.dist import all_gather_rows, receive_state, send_state
 from mlscale.train.memory import state_memory
+from mlscale.train.parallelize import block_container, param_count
 from mlscale.train.plan import MeshDims
 from mlscale.train.stages import SplitModel, StagePlan, plan_stages, retie, split_model, stage_call
 from mlscale.train.state import OneModuleState, assemble, release
-from mlscale.train.strategy import Batch, Learner, Setup, StepResult, StepRow, Strategy
+from mlscale.train.strategy import Batch, Learner, Setup, StepResult, StepRow, Strategy, split_degrees
 from mlscale.train.timing import StepTimes, now
 
 
@@ -66,6 +67,9 @@ class _SimulatedWork(torch.autograd.Function):
 class PipelineStrategy(OneModuleState, Strategy):
     name = "pipeline"
     options = PipelineOptions
+    # What a replica's step takes and a pipeline does not: its stages split the blocks, not tensors, and it
+    # neither recomputes nor accumulates.
+    plan_ignores = ("activation_checkpointing", "ac_every", "grad_accum", "tp")
 
     @classmethod
     def mesh(cls, config: TrainConfig, world: int) -> MeshDims:
@@ -108,6 +112,32 @@ class PipelineStrategy(OneModuleState, Strategy):
         dtype = getattr(torch, config.compute.dtype)
         sample = task.example_inputs(config.step_batch // config.pipeline.microbatches, dtype)
         split_model(model.to(dtype), plan, to_device(sample, "meta"))  # in the job's dtype, as the workers trace it
+
+    @classmethod
+    def planned_meshes(cls, workers: int) -> list[MeshDims]:
+        return [MeshDims(dp_replicate=workers // stages, pp=stages) for stages in split_degrees(workers)]
+
+    @classmethod
+    def layout_options(cls, mesh: MeshDims) -> dict[str, Any]:
+        return {"workers": mesh.size, "stages": mesh.pp}
+
+    @classmethod
+    def layout_name(cls, mesh: MeshDims) -> str:
+        replicas = f" x{mesh.dp_replicate} replicas" if mesh.dp_replicate_enabled else ""
+        return f"{cls.name} {mesh.pp}{replicas}"
+
+    @classmethod
+    def check_planned(cls, config: TrainConfig, model: nn.Module, world: int,
+                      task_tp_plan: dict[str, str] | None = None) -> None:
+        """The plan balances the repeated blocks over the stages (as ``mlscale.train.stages`` does) without
+        tracing the model: it needs blocks, at least one a stage."""
+        found = block_container(model)
+        if found is None:
+            raise UsageError("no repeated blocks (a ModuleList, ModuleDict or Sequential of same-typed modules) to "
+                             "split into stages")
+        blocks = sum(1 for child in found[1].children() if param_count(child))
+        if blocks < config.pipeline.stages:
+            raise UsageError(f"bad value stages={config.pipeline.stages}: the model has only {blocks} blocks to split")
 
     @property
     def simulates_compute(self) -> bool:
@@ -195,6 +225,11 @@ class PipelineStrategy(OneModuleState, Strategy):
         self.steps_done += 1
         return StepResult(step=self.steps_done, done=self.steps_done >= self.total_steps, samples=self.global_batch,
                           rows=[row], positions=dict.fromkeys(range(self.shards), batch.position))
+
+    @classmethod
+    def check_data(cls, config: TrainConfig, data: Any) -> None:
+        if isinstance(data, MapData):  # data in memory or Parquet has fixed shapes
+            cls.check_fixed_shapes(data)
 
     @staticmethod
     def check_fixed_shapes(data: MapData) -> None:

@@ -55,6 +55,7 @@ from mlscale.train.timing import now
 class ParameterServerStrategy(Strategy):
     name = "ps"
     options = PSOptions
+    unplanned = "keeps the whole model on every worker and the parameters on its servers"
 
     @classmethod
     def world_size(cls, config: TrainConfig) -> int:

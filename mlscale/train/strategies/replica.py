@@ -28,6 +28,7 @@ class ReplicaStrategy(OneModuleState, Strategy):
     """Subclasses implement ``wrap``; with one process the plain model trains unwrapped."""
 
     replicated: ClassVar[bool] = False  # every rank holds the whole model (ddp), else it is split
+    plan_ignores = ("microbatches", "schedule", "stages")  # the pipeline's: a replica runs the whole step
 
     def wrap(self, model: nn.Module) -> nn.Module:
         return model

@@ -31,7 +31,7 @@ from mlscale.errors import UsageError
 from mlscale.train.parallelize import apply_fsdp, apply_tp, check_tp_divides, tp_plan, unshardable
 from mlscale.train.plan import MeshDims
 from mlscale.train.strategies.replica import ReplicaStrategy
-from mlscale.train.strategy import Batch, StepResult
+from mlscale.train.strategy import Batch, StepResult, split_degrees
 
 
 class FSDPStrategy(ReplicaStrategy):
@@ -72,6 +72,21 @@ class FSDPStrategy(ReplicaStrategy):
     @classmethod
     def checks_model(cls, config: TrainConfig) -> bool:
         return config.model.tp > 1
+
+    @classmethod
+    def planned_meshes(cls, workers: int) -> list[MeshDims]:
+        """Sharded over every degree; and over the rest of the job when blocks are split over T ranks."""
+        degrees = split_degrees(workers)
+        return [MeshDims(dp_shard=shards) for shards in degrees] + [
+            MeshDims(dp_shard=workers // tp, tp=tp) for tp in degrees if tp < workers and workers // tp > 1]
+
+    @classmethod
+    def layout_options(cls, mesh: MeshDims) -> dict[str, Any]:
+        return {"workers": mesh.size, **({"tp": mesh.tp} if mesh.tp_enabled else {})}
+
+    @classmethod
+    def layout_name(cls, mesh: MeshDims) -> str:
+        return f"{cls.name} {mesh.dp_shard}" + (f" x tp {mesh.tp}" if mesh.tp_enabled else "")
 
     @classmethod
     def check_model(cls, config: TrainConfig, model: nn.Module, world: int,
@@ -184,6 +199,14 @@ class TensorParallelStrategy(ReplicaStrategy):
     @classmethod
     def mesh(cls, config: TrainConfig, world: int) -> MeshDims:
         return MeshDims(tp=world)
+
+    @classmethod
+    def planned_meshes(cls, workers: int) -> list[MeshDims]:
+        return [MeshDims(tp=tp) for tp in split_degrees(workers)]
+
+    @classmethod
+    def layout_name(cls, mesh: MeshDims) -> str:
+        return f"{cls.name} {mesh.tp}"
 
     @classmethod
     def data_shards(cls, config: TrainConfig, world: int) -> list[int | None]:

@@ -479,6 +479,23 @@ function versionCard(v) {
 }
 
 // ---- serving ------------------------------------------------------------------------------------------
+// The language models' table: token latencies (last interval), tokens/s, sequences, KV blocks, prefix cache.
+function fillGeneration(card, lms) {
+  card.querySelector(".generation").hidden = !lms.length;
+  const pct = (x) => (x === null ? "–" : `${fmt(x * 100, 1)}%`);
+  card.querySelector(".generation-table").replaceChildren(
+    el("thead", {}, el("tr", {}, ["model", "version", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "TPOT p50 ms",
+      "TPOT p99 ms", "tokens in/s", "tokens out/s", "running", "waiting", "preempted", "KV blocks", "KV used", "prefix hits"].map((h) => el("th", {}, h)))),
+    el("tbody", {}, lms.map((v) => {
+      const g = v.generation;
+      return el("tr", { "data-version": `${v.model}/${v.version}` }, el("td", {}, v.model), el("td", {}, v.version),
+        ...[fmt(g.ttft_ms.p50, 2), fmt(g.ttft_ms.p99, 2), fmt(g.itl_ms.p50, 2), fmt(g.itl_ms.p99, 2), fmt(g.tpot_ms.p50, 2),
+          fmt(g.tpot_ms.p99, 2), fmt(g.prompt_tokens_per_s, 1), fmt(g.generated_tokens_per_s, 1), fmt(g.running), fmt(g.waiting),
+          fmt(g.preemptions), `${fmt(g.kv_blocks_used)} / ${fmt(g.kv_blocks)}`, pct(g.kv_usage), pct(g.prefix_hit_rate)]
+          .map((text) => el("td", { class: "num" }, text)));
+    })));
+}
+
 async function servingPage() {
   view.replaceChildren(el("h1", {}, "Serving"), el("div", { id: "servers" }, el("p", { class: "muted" }, "Scraping…")));
   const box = document.getElementById("servers");
@@ -503,6 +520,8 @@ function serverCard(s, i) {
     el("h2", {}, s.url, " ", el("span", { class: "server-state" })),
     el("div", { class: "facts server-facts" }),
     el("div", { style: "overflow:auto" }, el("table", { class: "versions-table" })),
+    el("div", { class: "generation", style: "overflow:auto", hidden: "" }, el("h2", {}, "Text generation"),
+      el("table", { class: "generation-table" })),
     el("div", { class: "grid", style: "margin-top:12px" },
       el("div", {}, el("h2", {}, "Goodput and answers per second"), chart(`srv${i}-rate`, "short")),
       el("div", {}, el("h2", {}, "Latency in the server (ms)"), chart(`srv${i}-latency`, "short")),
@@ -529,6 +548,7 @@ function fillServer(s, i) {
       el("td", { class: "num" }, fmt(v.failed_per_s, 1)), el("td", { class: "num" }, fmt(v.latency_ms.p50, 2)),
       el("td", { class: "num" }, fmt(v.latency_ms.p90, 2)), el("td", { class: "num" }, fmt(v.latency_ms.p99, 2)),
       el("td", { class: "num" }, fmt(v.queue)), el("td", { class: "num" }, v.cache_hit_rate === null ? "–" : `${fmt(v.cache_hit_rate * 100, 1)}%`)))));
+  fillGeneration(card, s.versions.filter((v) => v.generation));
   const times = s.history.map((h) => new Date(h.at * 1000).toISOString().slice(11, 19));
   const small = { animation: false, grid: { left: 50, right: 16, top: 30, bottom: 28 }, tooltip: { trigger: "axis" }, legend: { top: 0 } };
   draw(`srv${i}-rate`, { ...small, xAxis: { type: "category", data: times }, yAxis: { type: "value" }, series: [

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from mlscale.errors import MlscaleError
+
 
 def _fsync_dir(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY)
@@ -108,8 +110,6 @@ def read_jsonl(path: str | Path, *, many_writers: bool = False) -> list[Any]:
     that no crash explains: an ``MlscaleError`` naming the file and line. ``many_writers``: processes
     append to the file side by side (each rank's failures), so a line any of them tore may be followed
     by others' lines: every line that does not parse is skipped."""
-    from mlscale.errors import MlscaleError
-
     try:
         data = Path(path).read_bytes()
     except FileNotFoundError:
