@@ -204,19 +204,21 @@ def test_a_closed_stream_stops_within_a_step_and_gives_its_blocks_back(model):
             assert stats.generated_tokens_total - closed_at <= 1  # the step in flight, at most
             assert stats.kv_blocks_used == 0
 
-            events = []
-            ids = "to-abort"
+            events, made = [], []  # what the reader saw; tokens the engine had made when abort was called
+            ids, before = "to-abort", engine.stats().generated_tokens_total
 
             async def read() -> None:
                 async for event in engine.generate(list(range(2, 30)), SamplingParams(max_tokens=80, temperature=0,
                                                                                        ignore_eos=True), ids):
                     events.append(event)
                     if len(events) == 2:
+                        made.append(engine.stats().generated_tokens_total - before)
                         engine.abort(ids)
 
             await asyncio.wait_for(read(), 30)
             assert events[-1].finish_reason == "abort" and events[-1].token_id is None
-            assert len(events) <= 4
+            # tokens the engine made before the call (a slow reader sees them late), then the step in flight
+            assert len(events) - 1 <= made[0] + 1 < 80
             assert engine.stats().kv_blocks_used == 0
         finally:
             await engine.close()
