@@ -1,18 +1,22 @@
 """The model runner: executes a SchedulerOutput against the paged KV cache.
 
 KVStore holds the pool's tensors: for each layer, the keys and the values of every token slot
-(block b's slots are b * block_size .. (b + 1) * block_size - 1). For a step, each sequence's cached
-K/V are gathered from its blocks into a batch, left-padded to the longest (the layout of batched
-generation with padding, which every model takes through a 2D attention mask), the model runs on the
-new tokens with their own position ids, and their K/V are written back into the sequences' slots.
+(block b's slots are b * block_size .. (b + 1) * block_size - 1), and one spare slot that padding
+writes to. For a step, each sequence's tokens are laid out left-padded to the longest (the layout of
+batched generation with padding, which every model takes through a 2D attention mask); the model runs
+on the new tokens with their own position ids. A StepKV is the step's view of the pool: a layer's new
+K/V are written into their sequences' slots, then the layer reads its cached and new K/V back with one
+gather (no per-step copy of the whole cache into a growing cache and back).
 
-The model is reached through a small adapter (CachedModel): a Hugging Face causal LM through
-transformers' DynamicCache, tinylm through its cached forward. A step's decodes (one token each) run
-as one batch and its prefill chunks as another, so a long chunk does not pad every decode to its length.
+The model is reached through a small adapter (CachedModel): a Hugging Face causal LM through a
+transformers Cache whose layers read and write the pool (PoolCache), tinylm through its cached forward.
+A step's decodes (one token each) run as one batch and its prefill chunks as another, so a long chunk
+does not pad every decode to its length.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -44,16 +48,17 @@ class CachedModel(Protocol):
     vocab_size: int
 
     def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, past: list[LayerKV], attention_mask: torch.Tensor,
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv: StepKV, attention_mask: torch.Tensor,
         last: torch.Tensor,
-    ) -> tuple[torch.Tensor, list[LayerKV]]:
-        """The logits at each row's ``last`` new token (batch x vocab) and each layer's K/V of the new
-        tokens. ``attention_mask`` (batch x (past + new), 1 where a token is real) marks the padding of both."""
+    ) -> torch.Tensor:
+        """The logits at each row's ``last`` new token (batch x vocab); each layer's K/V of the new tokens
+        written through ``kv``. ``attention_mask`` (batch x (past + new), 1 where a token is real) marks the
+        padding of both."""
         ...
 
 
 class HFCausalLM:
-    """A transformers PreTrainedModel with a causal-LM head, its cache given as a DynamicCache."""
+    """A transformers PreTrainedModel with a causal-LM head, its cache the pool itself (PoolCache)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         from transformers import DynamicCache
@@ -75,19 +80,13 @@ class HFCausalLM:
         self.shape = KVShape(len(layers), heads, head_dim, layers[0][0].dtype, parameter.device)
 
     def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, past: list[LayerKV], attention_mask: torch.Tensor,
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv: StepKV, attention_mask: torch.Tensor,
         last: torch.Tensor,
-    ) -> tuple[torch.Tensor, list[LayerKV]]:
-        cache = self._new_cache()
-        for index, (keys, values) in enumerate(past):
-            if keys.shape[2]:
-                cache.update(keys, values, index)
+    ) -> torch.Tensor:
         keep, rows = self._kept(last)
         logits = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                            use_cache=True, **{self._cache_arg: cache}, **keep).logits
-        cached = past[0][0].shape[2] if past else 0
-        return logits[torch.arange(len(last), device=last.device), rows], [
-            (k[:, :, cached:], v[:, :, cached:]) for k, v in _cache_layers(cache)]
+                            use_cache=True, **{self._cache_arg: pool_cache(kv, self.shape.layers)}, **keep).logits
+        return logits[torch.arange(len(last), device=last.device), rows]
 
     def _kept(self, last: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """The LM head on the positions some row needs only (``logits_to_keep``, where the model takes
@@ -117,15 +116,18 @@ class TinyLMCached:
         self.shape = KVShape(len(model.layers), heads, attention.head_dim, parameter.dtype, parameter.device)
 
     def forward(
-        self, input_ids: torch.Tensor, position_ids: torch.Tensor, past: list[LayerKV], attention_mask: torch.Tensor,
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, kv: StepKV, attention_mask: torch.Tensor,
         last: torch.Tensor,
-    ) -> tuple[torch.Tensor, list[LayerKV]]:
+    ) -> torch.Tensor:
         new = input_ids.shape[1]
         cached = attention_mask.shape[1] - new
         causal = torch.ones(new, cached + new, dtype=torch.bool, device=input_ids.device).tril(cached)
         mask = (causal & attention_mask.bool()[:, None, :]).unsqueeze(1)
-        logits, kv = self.model.forward_cached(input_ids, position_ids, past, mask)
-        return logits[torch.arange(len(last), device=last.device), last], kv
+        past = [kv.past(layer) for layer in range(self.shape.layers)]
+        logits, written = self.model.forward_cached(input_ids, position_ids, past, mask)
+        for layer, (keys, values) in enumerate(written):
+            kv.write(layer, keys, values)
+        return logits[torch.arange(len(last), device=last.device), last]
 
 
 def cached_model(model: torch.nn.Module) -> CachedModel:
@@ -136,25 +138,77 @@ def cached_model(model: torch.nn.Module) -> CachedModel:
 
 
 class KVStore:
-    """Keys and values of every slot of the pool, per layer: layers x slots x heads x head_dim each."""
+    """Keys and values of every slot of the pool, per layer: layers x slots x heads x head_dim each. The
+    last slot belongs to no block: padding positions write there, and nothing reads it unmasked."""
 
     def __init__(self, shape: KVShape, num_blocks: int, block_size: int) -> None:
-        size = (shape.layers, num_blocks * block_size, shape.heads, shape.head_dim)
+        size = (shape.layers, num_blocks * block_size + 1, shape.heads, shape.head_dim)
         self.keys = torch.zeros(size, dtype=shape.dtype, device=shape.device)
         self.values = torch.zeros(size, dtype=shape.dtype, device=shape.device)
         self.block_size = block_size
+        self.spare_slot = num_blocks * block_size
 
-    def gather(self, slots: torch.Tensor) -> list[LayerKV]:
-        """Each layer's K/V at ``slots`` (batch x tokens): batch x heads x tokens x head_dim."""
-        return [(keys[slots].transpose(1, 2), values[slots].transpose(1, 2))
-                for keys, values in zip(self.keys, self.values)]
 
-    def scatter(self, slots: torch.Tensor, new: list[LayerKV], valid: torch.Tensor) -> None:
-        """Write each layer's new K/V (batch x heads x tokens x head_dim) where ``valid`` into ``slots``."""
-        where = slots[valid]
-        for layer, (keys, values) in enumerate(new):
-            self.keys[layer, where] = keys.transpose(1, 2)[valid]
-            self.values[layer, where] = values.transpose(1, 2)[valid]
+class StepKV:
+    """One forward's view of the pool: where each row's cached tokens (left-padded) and new tokens
+    live. Batch x heads x tokens x head_dim in and out, the layout transformers and tinylm use."""
+
+    def __init__(self, store: KVStore, past_slots: torch.Tensor, new_slots: torch.Tensor) -> None:
+        self.store = store
+        self.batch, self.past_tokens = past_slots.shape
+        self._past = past_slots.reshape(-1)
+        self._new = new_slots.reshape(-1)
+        self._all = torch.cat([past_slots, new_slots], dim=1).reshape(-1)
+
+    def past(self, layer: int) -> LayerKV:
+        """The layer's cached K/V of each row."""
+        return self._read(layer, self._past, self.past_tokens)
+
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """The layer's K/V of the new tokens into their slots (a padding position's into the spare slot)."""
+        for pool, new in ((self.store.keys[layer], keys), (self.store.values[layer], values)):
+            pool.index_copy_(0, self._new, new.transpose(1, 2).reshape(-1, *pool.shape[1:]))
+
+    def update(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> LayerKV:
+        """Write the layer's new K/V, then read its cached and new ones (past + new tokens)."""
+        self.write(layer, keys, values)
+        return self._read(layer, self._all, self.past_tokens + keys.shape[2])
+
+    def _read(self, layer: int, slots: torch.Tensor, tokens: int) -> LayerKV:
+        keys, values = self.store.keys[layer], self.store.values[layer]
+        shape = (self.batch, tokens, *keys.shape[1:])
+        return (keys.index_select(0, slots).view(shape).transpose(1, 2),
+                values.index_select(0, slots).view(shape).transpose(1, 2))
+
+
+def pool_cache(kv: StepKV, layers: int) -> Any:
+    """A transformers DynamicCache whose layers read and write the pool through ``kv``: what the model's
+    attention gets back from ``update`` is the layer's cached and new K/V, gathered once."""
+    from transformers import DynamicCache  # transformers: an optional dependency, loaded with a model of its own
+
+    cache = DynamicCache()
+    cache.layers = [_pool_layer_class()(kv, layer) for layer in range(layers)]
+    return cache
+
+
+@functools.cache
+def _pool_layer_class() -> type:
+    """PoolLayer, a transformers cache layer over a StepKV (made once: transformers loads on first use)."""
+    from transformers.cache_utils import DynamicLayer
+
+    class PoolLayer(DynamicLayer):
+        def __init__(self, kv: StepKV, layer: int) -> None:
+            super().__init__()
+            self.kv, self.layer, self.is_initialized, self.device = kv, layer, True, kv.store.keys.device
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any) -> LayerKV:
+            self.keys, self.values = self.kv.update(self.layer, key_states, value_states)
+            return self.keys, self.values
+
+        def get_seq_length(self, *args: Any, **kwargs: Any) -> int:
+            return self.kv.past_tokens if self.keys is None else self.keys.shape[-2]
+
+    return PoolLayer
 
 
 class ModelRunner:
@@ -177,11 +231,9 @@ class ModelRunner:
 
     def _run(self, chunks: list[ScheduledChunk]) -> torch.Tensor:
         """The last logits of each chunk of one batch."""
-        batch = _Batch.of(chunks, self.store.block_size, self.device)
-        logits, new = self.model.forward(batch.input_ids, batch.position_ids, self.store.gather(batch.past_slots),
-                                         batch.attention_mask, batch.lengths - 1)
-        self.store.scatter(batch.new_slots, new, batch.new_valid)
-        return logits
+        batch = _Batch.of(chunks, self.store, self.device)
+        kv = StepKV(self.store, batch.past_slots, batch.new_slots)
+        return self.model.forward(batch.input_ids, batch.position_ids, kv, batch.attention_mask, batch.lengths - 1)
 
 
 @dataclass(frozen=True)
@@ -191,13 +243,12 @@ class _Batch:
     input_ids: torch.Tensor  # batch x new
     position_ids: torch.Tensor  # batch x new
     attention_mask: torch.Tensor  # batch x (past + new)
-    past_slots: torch.Tensor  # batch x past
-    new_slots: torch.Tensor  # batch x new
-    new_valid: torch.Tensor  # batch x new, bool
+    past_slots: torch.Tensor  # batch x past (a padding position: any slot, masked)
+    new_slots: torch.Tensor  # batch x new (a padding position: the spare slot)
     lengths: torch.Tensor  # batch
 
     @classmethod
-    def of(cls, chunks: list[ScheduledChunk], block_size: int, device: torch.device) -> _Batch:
+    def of(cls, chunks: list[ScheduledChunk], store: KVStore, device: torch.device) -> _Batch:
         starts = torch.tensor([chunk.start for chunk in chunks])
         lengths = torch.tensor([len(chunk.token_ids) for chunk in chunks])
         past, new = int(starts.max()), int(lengths.max())
@@ -210,8 +261,9 @@ class _Batch:
         past_positions = torch.arange(past) - (past - starts[:, None])  # left padding: negative
         past_valid = past_positions >= 0
         mask = torch.cat([past_valid, new_valid], dim=1).long()
-        tensors = (input_ids, positions, mask, _slots(table, past_positions.clamp(min=0), block_size),
-                   _slots(table, positions, block_size), new_valid, lengths)
+        new_slots = torch.where(new_valid, _slots(table, positions, store.block_size), store.spare_slot)
+        tensors = (input_ids, positions, mask, _slots(table, past_positions.clamp(min=0), store.block_size),
+                   new_slots, lengths)
         return cls(*(tensor.to(device) for tensor in tensors))
 
 
