@@ -43,6 +43,7 @@ from mlscale.train.strategies.per_step import (
     job_finished,
 )
 from mlscale.train.trainer import NO_PROGRESS_ENV
+from mlscale.train.warm import worker_command
 
 _POLL_S = 0.2
 _FINISHED_GRACE_S = 15.0  # after the report: for the other groups to write their last lines and leave
@@ -83,22 +84,24 @@ def gpus_per_group(config: TrainConfig) -> list[list[str]] | None:
             for group in range(config.workers)]
 
 
-def agent_command(config: TrainConfig, run_dir: RunDir) -> list[str]:
+def agent_command(config: TrainConfig, run_dir: RunDir, worker: tuple[str, ...]) -> list[str]:
     """One replica group's torchrun (``local_agent``: its stores on loopback): its own rendezvous
-    (``--standalone``), ``--group-size`` workers, its own restarts."""
+    (``--standalone``), ``--group-size`` workers, its own restarts; each worker started as ``worker``
+    (``python WORKER RUN_DIR``: the warm client of the job's zygote, or the module cold)."""
     # --local-addr: the address the workers are told for the group's store, which listens on it only (the
     # host's name would resolve to another address on many machines: Docker, Debian's 127.0.1.1, a VM's IP)
     return [sys.executable, "-m", "mlscale.train.local_agent", "--standalone", "--nnodes=1",
             f"--local-addr={LOCAL_HOST}",
             f"--nproc-per-node={config.torchft.group_size}",
             f"--max-restarts={config.recovery.max_restarts}", "--monitor-interval=0.1",
-            "-m", "mlscale.train", str(run_dir.path)]
+            *worker, str(run_dir.path)]
 
 
 def launch_replica_groups(config: TrainConfig, run_dir: RunDir, total_steps: int) -> None:
     """Run ``--workers`` replica groups to the end of training; the report is rank 0's (the quorum's leader)."""
     groups = config.workers
-    with lighthouse(config) as address:
+    # The zygote first, while this process may still be forked (the lighthouse runs threads of its own).
+    with worker_command(run_dir.warm_starts_path) as worker, lighthouse(config) as address:
         env = {**os.environ, LIGHTHOUSE_ENV: address, LAUNCH_ENV: uuid.uuid4().hex[:12],
                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "LOGLEVEL": "ERROR",
                "RUST_LOG": os.environ.get("RUST_LOG", "error"), "TORCH_CPP_LOG_LEVEL": "ERROR",
@@ -117,7 +120,7 @@ def launch_replica_groups(config: TrainConfig, run_dir: RunDir, total_steps: int
                 if devices is not None:
                     own["CUDA_VISIBLE_DEVICES"] = ",".join(devices[group])
                 with run_dir.agent_log(group).open("ab") as out:
-                    agents.append(subprocess.Popen(agent_command(config, run_dir), env={**env, **own},
+                    agents.append(subprocess.Popen(agent_command(config, run_dir, worker), env={**env, **own},
                                                    stdout=out, stderr=subprocess.STDOUT))
             codes = _follow(config, run_dir, agents, total_steps)
         finally:
