@@ -9,7 +9,7 @@ K/V are written into their sequences' slots, then the layer reads its cached and
 gather (no per-step copy of the whole cache into a growing cache and back).
 
 The model is reached through a small adapter (CachedModel): a Hugging Face causal LM through a
-transformers Cache whose layers read and write the pool (PoolCache), tinylm through its cached forward.
+transformers Cache whose layers read and write the pool (``pool_cache``), tinylm through its cached forward.
 A step's decodes (one token each) run as one batch and its prefill chunks as another, so a long chunk
 does not pad every decode to its length.
 """
@@ -58,12 +58,12 @@ class CachedModel(Protocol):
 
 
 class HFCausalLM:
-    """A transformers PreTrainedModel with a causal-LM head, its cache the pool itself (PoolCache)."""
+    """A transformers PreTrainedModel with a causal-LM head, its cache the pool itself (``pool_cache``)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         from transformers import DynamicCache
 
-        self.model, self._new_cache = model, DynamicCache
+        self.model = model
         # transformers 5 renamed past_key_values to cache (the old name deprecated)
         parameters = inspect.signature(model.forward).parameters
         self._cache_arg = "cache" if "cache" in parameters else "past_key_values"
