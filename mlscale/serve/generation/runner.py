@@ -85,7 +85,7 @@ class HFCausalLM:
     ) -> torch.Tensor:
         keep, rows = self._kept(last)
         logits = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
-                            use_cache=True, **{self._cache_arg: pool_cache(kv, self.shape.layers)}, **keep).logits
+                            use_cache=True, **{self._cache_arg: pool_cache(kv)}, **keep).logits
         return logits[torch.arange(len(last), device=last.device), rows]
 
     def _kept(self, last: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
@@ -181,13 +181,13 @@ class StepKV:
                 values.index_select(0, slots).view(shape).transpose(1, 2))
 
 
-def pool_cache(kv: StepKV, layers: int) -> Any:
+def pool_cache(kv: StepKV) -> Any:
     """A transformers DynamicCache whose layers read and write the pool through ``kv``: what the model's
     attention gets back from ``update`` is the layer's cached and new K/V, gathered once."""
     from transformers import DynamicCache  # transformers: an optional dependency, loaded with a model of its own
 
     cache = DynamicCache()
-    cache.layers = [_pool_layer_class()(kv, layer) for layer in range(layers)]
+    cache.layers = [_pool_layer_class()(kv, layer) for layer in range(len(kv.store.keys))]
     return cache
 
 
